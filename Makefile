@@ -1,0 +1,32 @@
+# Two commands do everything on a fresh offline machine: `make demo` and `make test`.
+VENV    := .venv
+PY      := $(VENV)/bin/python
+PIP     := $(VENV)/bin/pip
+STAMP   := $(VENV)/.installed-stamp
+PROMPT  ?= The five layers of an LLM system are
+
+.PHONY: demo test lint install clean
+
+$(PY):
+	python3 -m venv $(VENV)
+
+# torch first: the CPU wheel on local disk, so that nothing pulls a multi-GB CUDA build.
+$(STAMP): $(PY) pyproject.toml
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install torch==2.13.0
+	$(PIP) install -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/strata generate --prompt "$(PROMPT)" --max-tokens 48 --temperature 0.8 --seed 0
+	$(VENV)/bin/strata bench latency --input-len 64 --output-len 64
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check strata tests
+
+test: $(STAMP) lint
+	$(PY) -m pytest
+
+clean:
+	rm -rf $(VENV) *.egg-info

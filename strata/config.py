@@ -1,0 +1,81 @@
+"""Engine configuration: one dataclass, validated once, with messages that name the field and fix."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from strata.errors import ConfigError
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+
+
+def parse_bytes(value: int | float | str, field: str) -> int:
+    """Parse 4096, "512MiB", "4GiB", "1.5GB" into bytes."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{field}: expected bytes (int) or a size such as '4GiB', got {value!r}")
+    if isinstance(value, int | float):
+        if value <= 0:
+            raise ConfigError(f"{field}: must be positive, got {value}")
+        return int(value)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+    if not m or m.group(2).lower() not in _SIZE_UNITS:
+        raise ConfigError(
+            f"{field}: cannot parse {value!r}; use bytes (e.g. 4294967296) or a size such as "
+            "'512MiB', '4GiB', '2GB'"
+        )
+    n = int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+    if n <= 0:
+        raise ConfigError(f"{field}: must be positive, got {value!r}")
+    return n
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs to start; validated at construction."""
+
+    model: str | None = None  # HF directory; None = the built-in demo model
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "cpu"
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    block_size: int = 16
+    kv_cache_memory: int | str | None = None  # bytes or "4GiB"; None = fraction of free memory
+    memory_fraction: float = 0.5  # of free memory, used when kv_cache_memory is None
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    num_threads: int | None = None
+    attention_backend: str = "auto"  # auto | torch | sdpa
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"):
+            raise ConfigError(
+                f"dtype: unknown {self.dtype!r}; choose auto, float32, bfloat16 or float16"
+            )
+        self.dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(
+            self.dtype, self.dtype
+        )
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ConfigError(f"device: unknown {self.device!r}; use 'cpu' or 'cuda[:N]'")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(f"{name}: must be a positive integer, got {v!r}")
+        if self.max_model_len is not None and (
+            not isinstance(self.max_model_len, int) or self.max_model_len < 1
+        ):
+            raise ConfigError(f"max_model_len: must be a positive integer, got {self.max_model_len!r}")
+        if self.kv_cache_memory is not None:
+            self.kv_cache_memory = parse_bytes(self.kv_cache_memory, "kv_cache_memory")
+        if not 0.0 < self.memory_fraction <= 1.0:
+            raise ConfigError(f"memory_fraction: must be in (0, 1], got {self.memory_fraction}")
+        if self.attention_backend not in ("auto", "torch", "sdpa"):
+            raise ConfigError(
+                f"attention_backend: unknown {self.attention_backend!r}; choose auto, torch or sdpa"
+            )
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ConfigError(f"num_threads: must be >= 1, got {self.num_threads}")

@@ -1,0 +1,298 @@
+"""LLMEngine: composes the layers (model, KV memory, scheduler, runner, sampler) into steps.
+
+`add_request` queues a validated request; each `step` schedules, runs one forward pass, samples,
+detokenises, applies stop conditions and returns outputs for the requests it advanced.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from strata.config import EngineConfig
+from strata.engine.request import CompletionOutput, Request, RequestOutput, SeqStatus, Sequence
+from strata.engine.runner import ModelRunner
+from strata.engine.sampler import Sampler
+from strata.engine.sampling_params import SamplingParams
+from strata.engine.scheduler import Scheduler
+from strata.errors import ConfigError, ModelLoadError, RequestError
+from strata.graph.loader import check_model_dir, load_model
+from strata.graph.model_config import ModelConfig
+from strata.hardware.placement import set_compute_threads
+from strata.memory.blocks import BlockManager
+from strata.memory.kv_cache import allocate_kv_cache
+from strata.memory.planner import plan_memory
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _resolve_dtype(name: str, device: str, checkpoint: torch.dtype) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    from strata.hardware.probe import auto_dtype
+
+    return auto_dtype(device, checkpoint)
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"{path}: cannot parse ({e})") from None
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.threads = set_compute_threads(config.num_threads)
+        if config.model is None:
+            from strata.demo.model import demo_model_path
+
+            path = demo_model_path()
+        else:
+            path = check_model_dir(config.model)
+        self.model_path = path
+        self.model_config = cfg = ModelConfig.from_file(path / "config.json")
+        self.tokenizer = self._load_tokenizer(path)
+        gen = _read_json(path / "generation_config.json")
+        self.eos_token_ids = self._eos_ids(cfg, gen)
+        self.dtype = _resolve_dtype(config.dtype, config.device, cfg.torch_dtype)
+        self.max_model_len = self._max_model_len(cfg)
+        t0 = time.perf_counter()
+        self.model = load_model(path, self.dtype, config.device, self.max_model_len)
+        logger.info("loaded %s (%s, %s) in %.2fs", path, cfg.architecture, self.dtype, time.perf_counter() - t0)
+        self.plan = plan_memory(
+            cfg, self.dtype, config.block_size, self.max_model_len, config.max_num_seqs,
+            config.kv_cache_memory, config.memory_fraction, config.device,
+        )
+        self.kv_caches = allocate_kv_cache(cfg, self.plan.num_blocks, config.block_size, self.dtype, config.device)
+        self.block_manager = BlockManager(self.plan.num_blocks, config.block_size)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        backend = "sdpa" if config.attention_backend == "auto" else config.attention_backend
+        self.runner = ModelRunner(self.model, self.kv_caches, config.block_size, config.device, backend)
+        self.sampler = Sampler(cfg.vocab_size, self.eos_token_ids, config.seed)
+        self.requests: dict[str, Request] = {}
+        self._seq_ids = itertools.count()
+        self.num_steps = 0
+
+    # --- setup helpers -------------------------------------------------------------------
+    @staticmethod
+    def _load_tokenizer(path: Path):
+        if not (path / "tokenizer.json").is_file():
+            logger.warning("%s has no tokenizer.json: only token-id prompts will work", path)
+            return None
+        from strata.engine.tokenizer import Tokenizer
+
+        return Tokenizer.from_dir(path)
+
+    def _eos_ids(self, cfg: ModelConfig, gen: dict) -> list[int]:
+        eos = gen.get("eos_token_id")
+        ids = [] if eos is None else (list(eos) if isinstance(eos, list) else [eos])
+        ids += cfg.eos_token_ids
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.append(self.tokenizer.eos_token_id)
+        return sorted({int(i) for i in ids})
+
+    def _max_model_len(self, cfg: ModelConfig) -> int:
+        limit = cfg.max_position_embeddings
+        want = self.config.max_model_len or limit
+        if want > limit:
+            raise ConfigError(
+                f"max_model_len: {want} exceeds the model's max_position_embeddings ({limit}); "
+                f"use max_model_len <= {limit}"
+            )
+        if cfg.sliding_window is not None and want > cfg.sliding_window:
+            logger.warning(
+                "max_model_len %d capped to the sliding window %d (sliding-window attention is "
+                "not implemented; within the window it is exact)", want, cfg.sliding_window,
+            )
+            want = cfg.sliding_window
+        return want
+
+    # --- requests ------------------------------------------------------------------------
+    def encode(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise RequestError(f"{self.model_path} has no tokenizer.json; pass prompt token ids instead of text")
+        return self.tokenizer.encode(prompt)
+
+    def validate(self, index: int, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise RequestError naming the request index; nothing is scheduled on failure."""
+        params.validate(index, self.model_config.vocab_size)
+        if not prompt_ids:
+            raise RequestError(f"request {index}: prompt is empty; give at least one token")
+        if len(prompt_ids) >= self.max_model_len:
+            raise RequestError(
+                f"request {index}: prompt has {len(prompt_ids)} tokens but max_model_len is "
+                f"{self.max_model_len} (room for at least one new token is needed); shorten the "
+                "prompt or raise max_model_len"
+            )
+        vocab = self.model_config.vocab_size
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+            raise RequestError(f"request {index}: prompt token ids must be in [0, {vocab})")
+        if params.logprobs is not None and params.logprobs > vocab:
+            raise RequestError(f"request {index}: logprobs must be <= vocab size {vocab}")
+
+    def add_request(
+        self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams
+    ) -> Request:
+        if request_id in self.requests:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        req = Request(request_id, prompt, list(prompt_ids), params)
+        seq = self._new_seq(req, 0)
+        self.requests[request_id] = req
+        self.scheduler.add(seq)
+        return req
+
+    def _new_seq(self, req: Request, index: int) -> Sequence:
+        seq = Sequence(next(self._seq_ids), req, index, list(req.prompt_token_ids))
+        if self.tokenizer is not None:
+            from strata.engine.tokenizer import IncrementalDetokenizer
+
+            seq.detokenizer = IncrementalDetokenizer(
+                self.tokenizer, req.prompt_token_ids, req.params.skip_special_tokens
+            )
+        req.seqs.append(seq)
+        return seq
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request wherever it is; all of its blocks are freed at once."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        for seq in req.seqs:
+            if not seq.finished:
+                self.scheduler.finish(seq)
+                seq.finish_reason = "abort"
+        req.forked = True
+        req.timeline.finished = time.time()
+        return self._output(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # --- the step ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        now = time.time()
+        for s in out.scheduled:
+            tl = s.seq.request.timeline
+            if tl.first_scheduled is None:
+                tl.first_scheduled = now
+        logits, order = self.runner.execute(out)
+        self.scheduler.update(out)
+        self.num_steps += 1
+        touched: dict[str, Request] = {}
+        if order:
+            seqs, rows = self._expand_forks(order)
+            if rows is not None:
+                logits = logits[rows]
+            sampled = self.sampler(logits, seqs)
+            now = time.time()
+            for seq, tok, lp in zip(seqs, sampled.token_ids, sampled.logprobs):
+                self._append(seq, tok, lp, now)
+                touched[seq.request.request_id] = seq.request
+        outputs = []
+        for req in touched.values():
+            if req.finished:
+                req.timeline.finished = time.time()
+                self.requests.pop(req.request_id, None)
+            outputs.append(self._output(req))
+        return outputs
+
+    def _expand_forks(self, order: list[Sequence]):
+        """A request with n > 1 forks into n sequences when its prompt is first computed."""
+        if all(s.request.forked for s in order):
+            return order, None
+        seqs, rows = [], []
+        for r, seq in enumerate(order):
+            req = seq.request
+            seqs.append(seq)
+            rows.append(r)
+            if not req.forked:
+                req.forked = True
+                for i in range(1, req.params.n):
+                    child = self._new_seq(req, i)
+                    self.scheduler.fork(seq, child)
+                    seqs.append(child)
+                    rows.append(r)
+        return seqs, torch.tensor(rows, device=self.runner.device)
+
+    def _append(self, seq: Sequence, token: int, logprob: dict | None, now: float) -> None:
+        p = seq.request.params
+        seq.token_ids.append(token)
+        if logprob is not None:
+            seq.logprobs.append(logprob)
+        if seq.request.timeline.first_token is None:
+            seq.request.timeline.first_token = now
+        n_out = seq.num_output_tokens
+        reason, stop_reason = None, None
+        if seq.detokenizer is not None:
+            seq.detokenizer.add(token)
+        if n_out >= p.min_tokens:
+            if not p.ignore_eos and token in self.eos_token_ids:
+                reason = "stop"
+            elif token in p.stop_token_ids:
+                reason, stop_reason = "stop", token
+        full_text = seq.detokenizer.text if seq.detokenizer is not None else ""
+        if reason is None and p.stop and n_out >= p.min_tokens:
+            cut = self._find_stop(full_text, len(seq.text), p)
+            if cut is not None:
+                idx, s = cut
+                full_text = full_text[: idx + (len(s) if p.include_stop_str_in_output else 0)]
+                reason, stop_reason = "stop", s
+        if reason is None and (
+            (p.max_tokens is not None and n_out >= p.max_tokens) or seq.num_tokens >= self.max_model_len
+        ):
+            reason = "length"
+        if reason is not None:
+            seq.text = full_text
+            seq.finish_reason, seq.stop_reason = reason, stop_reason
+            self.scheduler.finish(seq)
+        else:
+            hold = max((len(s) - 1 for s in p.stop), default=0)  # a stop string may still complete
+            seq.text = full_text[: max(len(seq.text), len(full_text) - hold)]
+
+    @staticmethod
+    def _find_stop(text: str, visible: int, p: SamplingParams) -> tuple[int, str] | None:
+        """Earliest stop string in the not-yet-returned text (it may span tokens)."""
+        best = None
+        for s in p.stop:
+            i = text.find(s, max(0, visible - len(s) + 1))
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, s)
+        return best
+
+    def _output(self, req: Request) -> RequestOutput:
+        tl = req.timeline
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=[
+                CompletionOutput(
+                    index=s.index, text=s.text, token_ids=list(s.output_token_ids),
+                    finish_reason=s.finish_reason, stop_reason=s.stop_reason,
+                    logprobs=list(s.logprobs) if req.params.logprobs is not None else None,
+                )
+                for s in sorted(req.seqs, key=lambda s: s.index)
+            ],
+            finished=req.finished,
+            arrival_time=tl.arrival,
+            first_token_time=tl.first_token,
+            finished_time=tl.finished,
+            num_preemptions=sum(s.num_preemptions for s in req.seqs),
+        )
+
+    def check_blocks(self) -> None:
+        """Invariant check for tests: the block manager agrees with every live block table."""
+        tables = [s.block_table for r in self.requests.values() for s in r.seqs if s.status is not SeqStatus.FINISHED]
+        self.block_manager.check(tables)

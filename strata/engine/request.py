@@ -1,0 +1,105 @@
+"""Requests, their sequences (one per completion), and what the engine returns for them."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from strata.engine.sampling_params import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """One completion: the tokens so far, how many have KV in the cache, and its blocks."""
+
+    def __init__(self, seq_id: int, request: Request, index: int, token_ids: list[int]) -> None:
+        self.seq_id = seq_id
+        self.request = request
+        self.index = index  # completion index within the request (0..n-1)
+        self.token_ids = token_ids
+        self.num_prompt_tokens = len(request.prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.status = SeqStatus.WAITING
+        self.logprobs: list[dict[int, float]] = []
+        self.detokenizer: Any = None
+        self.text = ""  # text returned so far (stop strings trimmed)
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.num_preemptions = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    def __repr__(self) -> str:
+        return f"Sequence({self.seq_id}, {self.status.value}, {self.num_computed_tokens}/{self.num_tokens})"
+
+
+@dataclass
+class Timeline:
+    """Wall-clock stamps of a request's life (time.time()); the only clock metrics read."""
+
+    arrival: float = field(default_factory=time.time)
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+
+
+class Request:
+    def __init__(
+        self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.timeline = Timeline()
+        self.seqs: list[Sequence] = []
+        self.forked = params.n == 1
+
+    @property
+    def finished(self) -> bool:
+        return self.forked and all(s.finished for s in self.seqs)
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    stop_reason: int | str | None = None
+    logprobs: list[dict[int, float]] | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    arrival_time: float
+    first_token_time: float | None
+    finished_time: float | None
+    num_preemptions: int = 0

@@ -1,0 +1,96 @@
+"""The model runner: turns the scheduler's decision into tensors and runs the forward pass.
+
+It decides *how* (tensors, device, attention metadata), never *what*: no policy here. A step's
+tokens are flattened: prefill chunks first, then one token per decoding sequence.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from strata.engine.scheduler import SchedulerOutput
+from strata.graph.models.llama import CausalLM
+from strata.kernels.attention import AttentionMetadata, PrefillSpan
+from strata.memory.kv_cache import copy_blocks
+
+
+class ModelRunner:
+    def __init__(
+        self, model: CausalLM, kv_caches: list[torch.Tensor], block_size: int, device: str,
+        attention_backend: str = "sdpa",
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self.backend = attention_backend
+
+    def _tensor(self, data, dtype=torch.long) -> torch.Tensor:
+        return torch.tensor(data, dtype=dtype, device=self.device)
+
+    def prepare(self, out: SchedulerOutput):
+        """Build input ids, positions, attention metadata and the rows whose logits are needed."""
+        bs = self.block_size
+        prefills = [s for s in out.scheduled if s.num_tokens > 1]
+        decodes = [s for s in out.scheduled if s.num_tokens == 1]
+        ids: list[int] = []
+        positions: list[torch.Tensor] = []
+        slots: list[torch.Tensor] = []
+        spans: list[PrefillSpan] = []
+        logit_rows: list[int] = []
+        order = []
+        for s in prefills:
+            seq, start, n = s.seq, s.seq.num_computed_tokens, s.num_tokens
+            begin = len(ids)
+            ids += seq.token_ids[start : start + n]
+            pos = torch.arange(start, start + n, device=self.device)
+            table = self._tensor(seq.block_table)
+            positions.append(pos)
+            slots.append(table[pos // bs] * bs + pos % bs)
+            mask = None
+            if start > 0:
+                keys = torch.arange(start + n, device=self.device)
+                mask = keys[None, :] <= pos[:, None]
+            spans.append(PrefillSpan(begin, begin + n, start, table, mask))
+            if s.samples:
+                logit_rows.append(len(ids) - 1)
+                order.append(seq)
+        p = len(ids)
+        decode_tables = decode_mask = None
+        if decodes:
+            dpos = [s.seq.num_computed_tokens for s in decodes]
+            ids += [s.seq.token_ids[q] for s, q in zip(decodes, dpos)]
+            max_blocks = max(len(s.seq.block_table) for s in decodes)
+            tables = [s.seq.block_table + [0] * (max_blocks - len(s.seq.block_table)) for s in decodes]
+            dslots = [s.seq.block_table[q // bs] * bs + q % bs for s, q in zip(decodes, dpos)]
+            decode_tables = self._tensor(tables)
+            dpos_t = self._tensor(dpos)
+            positions.append(dpos_t)
+            slots.append(self._tensor(dslots))
+            keys = torch.arange(max_blocks * bs, device=self.device)
+            decode_mask = (keys[None, :] <= dpos_t[:, None]).view(len(decodes), 1, 1, -1)
+            logit_rows += range(p, len(ids))
+            order += [s.seq for s in decodes]
+        meta = AttentionMetadata(
+            slot_mapping=torch.cat(slots) if len(slots) > 1 else slots[0],
+            prefills=spans,
+            num_prefill_tokens=p,
+            decode_block_tables=decode_tables,
+            decode_mask=decode_mask,
+            backend=self.backend,
+        )
+        pos_t = torch.cat(positions) if len(positions) > 1 else positions[0]
+        return self._tensor(ids), pos_t, meta, self._tensor(logit_rows), order
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput):
+        """Run one step; returns (logits [rows, vocab] fp32, the sequence of each row)."""
+        copy_blocks(self.kv_caches, out.block_copies)
+        if not out.scheduled:
+            return None, []
+        ids, pos, meta, rows, order = self.prepare(out)
+        hidden = self.model(ids, pos, meta, self.kv_caches)
+        if not order:
+            return None, []
+        logits = self.model.compute_logits(hidden[rows])
+        return logits.float(), order

@@ -1,0 +1,163 @@
+"""Vectorised sampling over the batch: penalties, temperature, top-k/top-p/min-p, seeds, logprobs.
+
+All vocabulary work is batched tensor ops; the only per-row Python is building the parameter
+tensors and drawing noise for seeded rows (each from its own generator, seeded by the request's
+seed, the completion index and the step, so a seeded request samples the same tokens whatever
+else is in the batch, and also after a preemption).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from strata.engine.request import Sequence
+
+_MASK = float("-inf")
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[dict[int, float] | None]
+
+
+def _seed_for(seed: int, index: int, step: int) -> int:
+    return (seed * 0x9E3779B97F4A7C15 + index * 1_000_003 + step) % (2**63 - 1)
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask (to -inf) tokens outside each row's top-k and top-p nucleus; top_k <= 0 = off."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    ranks = torch.arange(vocab, device=logits.device)
+    k = torch.where(top_k > 0, top_k, vocab)
+    remove = ranks[None, :] >= k[:, None]
+    sorted_logits = sorted_logits.masked_fill(remove, _MASK)
+    probs = sorted_logits.softmax(-1)
+    before = probs.cumsum(-1) - probs  # probability mass strictly ahead of each token
+    remove = before >= top_p[:, None]
+    remove[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(remove, _MASK)
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    probs = logits.softmax(-1)
+    threshold = probs.max(-1, keepdim=True).values * min_p[:, None]
+    return logits.masked_fill(probs < threshold, _MASK)
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, eos_token_ids: list[int], seed: int = 0) -> None:
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+        dev = logits.device
+        rows = len(seqs)
+        params = [s.request.params for s in seqs]
+        raw_logprobs = None
+        if any(p.logprobs is not None for p in params):
+            raw_logprobs = logits.log_softmax(-1)
+        logits = self._penalties(logits, seqs)
+        logits = self._min_tokens(logits, seqs)
+        greedy = torch.tensor([p.temperature == 0 for p in params], device=dev)
+        greedy_ids = logits.argmax(-1)
+        tokens = greedy_ids
+        if not bool(greedy.all()):
+            temp = torch.tensor([p.temperature or 1.0 for p in params], device=dev)
+            logits = logits / temp[:, None]
+            if any(p.top_k > 0 or p.top_p < 1 for p in params):
+                top_k = torch.tensor([p.top_k for p in params], device=dev)
+                top_p = torch.tensor([p.top_p for p in params], device=dev, dtype=logits.dtype)
+                logits = apply_top_k_top_p(logits, top_k, top_p)
+            if any(p.min_p > 0 for p in params):
+                min_p = torch.tensor([p.min_p for p in params], device=dev, dtype=logits.dtype)
+                logits = apply_min_p(logits, min_p)
+            probs = logits.softmax(-1)
+            noise = self._noise(seqs, probs.shape, dev)
+            sampled = (probs / noise).argmax(-1)
+            tokens = torch.where(greedy, greedy_ids, sampled)
+        token_list = tokens.tolist()
+        lps: list[dict[int, float] | None] = [None] * rows
+        if raw_logprobs is not None:
+            lps = self._logprobs(raw_logprobs, tokens, params)
+        return SamplerOutput(token_list, lps)
+
+    def _noise(self, seqs: list[Sequence], shape, dev) -> torch.Tensor:
+        """Exponential(1) noise; argmax(p / noise) is a sample from p."""
+        noise = torch.empty(shape, device=dev).exponential_(generator=self.generator)
+        for i, s in enumerate(seqs):
+            seed = s.request.params.seed
+            if seed is not None:
+                g = torch.Generator(device=dev).manual_seed(_seed_for(seed, s.index, s.num_output_tokens))
+                noise[i].exponential_(generator=g)
+        return noise
+
+    def _penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        params = [s.request.params for s in seqs]
+        rep = any(p.repetition_penalty != 1.0 for p in params)
+        pres_freq = any(p.presence_penalty != 0 or p.frequency_penalty != 0 for p in params)
+        if not (rep or pres_freq):
+            return logits
+        dev, vocab = logits.device, logits.shape[-1]
+        outputs = [s.output_token_ids for s in seqs]
+        counts = self._counts(outputs, vocab, dev)
+        if rep:
+            seen = self._counts([s.token_ids for s in seqs], vocab, dev) > 0
+            penalty = torch.tensor([p.repetition_penalty for p in params], device=dev)[:, None]
+            penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+            logits = torch.where(seen, penalised, logits)
+        if pres_freq:
+            freq = torch.tensor([p.frequency_penalty for p in params], device=dev)[:, None]
+            pres = torch.tensor([p.presence_penalty for p in params], device=dev)[:, None]
+            logits = logits - freq * counts - pres * (counts > 0)
+        return logits
+
+    @staticmethod
+    def _counts(token_lists: list[list[int]], vocab: int, dev) -> torch.Tensor:
+        width = max((len(t) for t in token_lists), default=0)
+        padded = torch.full((len(token_lists), width + 1), vocab, dtype=torch.long, device=dev)
+        for i, t in enumerate(token_lists):
+            if t:
+                padded[i, : len(t)] = torch.tensor(t, device=dev)
+        counts = torch.zeros(len(token_lists), vocab + 1, device=dev)
+        counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=counts.dtype))
+        return counts[:, :vocab]
+
+    def _min_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Forbid stop tokens until a sequence has min_tokens outputs."""
+        masked = False
+        for i, s in enumerate(seqs):
+            p = s.request.params
+            if s.num_output_tokens < p.min_tokens:
+                stops = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
+                stops = [t for t in stops if t < logits.shape[-1]]
+                if stops:
+                    if not masked:
+                        logits, masked = logits.clone(), True
+                    logits[i, stops] = _MASK
+        return logits
+
+    @staticmethod
+    def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, params) -> list[dict[int, float] | None]:
+        max_n = max(p.logprobs or 0 for p in params)
+        chosen = raw.gather(1, tokens[:, None]).squeeze(1).tolist()
+        top_vals = top_ids = None
+        if max_n > 0:
+            top = raw.topk(max_n, dim=-1)
+            top_vals, top_ids = top.values.tolist(), top.indices.tolist()
+        result: list[dict[int, float] | None] = []
+        for i, p in enumerate(params):
+            if p.logprobs is None:
+                result.append(None)
+                continue
+            d = {}
+            if p.logprobs and top_ids is not None:
+                d = dict(zip(top_ids[i][: p.logprobs], top_vals[i][: p.logprobs]))
+            d[int(tokens[i])] = chosen[i]
+            result.append(d)
+        return result

@@ -1,0 +1,97 @@
+"""Building blocks of the decoder: RMSNorm with fused residual add, rotary embedding, MLP."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm as in Llama; `forward(x, residual)` also adds the residual first (one pass less)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is not None:
+            x = x + residual
+            residual = x
+        if x.dtype == torch.float32:
+            out = F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        else:  # match HF: normalise in fp32, cast back, then scale
+            xf = x.float()
+            xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+            out = self.weight * xf.to(x.dtype)
+        return out if residual is None else (out, residual)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
+    factor = s["factor"]
+    low, high = s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
+    old_len = s["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Non-interleaved (rotate-half) rotary embedding with a precomputed cos/sin table."""
+
+    def __init__(
+        self, head_dim: int, max_positions: int, theta: float, scaling: dict | None
+    ) -> None:
+        super().__init__()
+        self.head_dim, self.max_positions, self.theta, self.scaling = head_dim, max_positions, theta, scaling
+        self.half = head_dim // 2
+        self.register_buffer("cos", torch.empty(0), persistent=False)
+        self.register_buffer("sin", torch.empty(0), persistent=False)
+        self.init_tables()
+
+    def init_tables(self, device: torch.device | str | None = None) -> None:
+        """(Re)compute the cos/sin tables, e.g. after the model was materialised from `meta`."""
+        d, cpu = self.head_dim, torch.device("cpu")  # explicit: may run under a meta-device context
+        inv_freq = 1.0 / (self.theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=cpu).float() / d))
+        if self.scaling is not None:
+            if self.scaling["rope_type"] == "linear":
+                inv_freq = inv_freq / self.scaling["factor"]
+            elif self.scaling["rope_type"] == "llama3":
+                inv_freq = _llama3_inv_freq(inv_freq, self.scaling)
+        pos = torch.arange(self.max_positions, dtype=torch.float32, device=cpu)
+        freqs = pos[:, None] * inv_freq[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.cos = emb.cos().to(device or cpu)
+        self.sin = emb.sin().to(device or cpu)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Rotate x [..., T, heads, head_dim] at `positions` [..., T]."""
+        cos = self.cos[positions].unsqueeze(-2).to(x.dtype)
+        sin = self.sin[positions].unsqueeze(-2).to(x.dtype)
+        x1, x2 = x[..., : self.half], x[..., self.half :]
+        rotated = torch.cat((-x2, x1), dim=-1)
+        return x * cos + rotated * sin
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU MLP with gate and up projections fused into one matmul."""
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool) -> None:
+        super().__init__()
+        self.intermediate = intermediate
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        gate, up = gate_up[..., : self.intermediate], gate_up[..., self.intermediate :]
+        return self.down_proj(F.silu(gate) * up)

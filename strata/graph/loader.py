@@ -1,0 +1,160 @@
+"""HF model directory -> CausalLM: streams safetensors tensor by tensor, fusing q/k/v and gate/up.
+
+The model is built on the `meta` device and materialised empty in its final dtype, so peak memory
+is about one copy of the weights. Pickle checkpoints (*.bin, *.pt) are refused: unpickling runs code.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from strata.errors import ModelLoadError
+from strata.graph.model_config import ModelConfig
+from strata.graph.models.llama import CausalLM
+
+logger = logging.getLogger(__name__)
+
+_CONVERT_HINT = (
+    "Strata loads only safetensors (pickle checkpoints can run code when loaded). Convert it once, "
+    "in an environment you trust, with: python -c \"from transformers import AutoModelForCausalLM as M; "
+    "M.from_pretrained('{p}').save_pretrained('{p}', safe_serialization=True)\""
+)
+
+
+@dataclass
+class _Target:
+    param: torch.Tensor
+    rows: slice | None  # destination rows of a fused weight; None = the whole tensor
+
+
+def check_model_dir(path: str | Path) -> Path:
+    path = Path(path)
+    if not path.exists():
+        raise ModelLoadError(f"model directory {str(path)!r} does not exist; pass --model PATH to an HF model directory")
+    if not path.is_dir():
+        raise ModelLoadError(f"{path}: not a directory; --model expects an HF model directory")
+    return path
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The safetensors files of a model directory (single file, sharded with index, or any)."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, json.JSONDecodeError, KeyError, AttributeError) as e:
+            raise ModelLoadError(f"{index}: cannot read the shard index ({e})") from None
+        files = [path / n for n in names]
+        for f in files:
+            if not f.is_file():
+                raise ModelLoadError(f"{f}: shard listed in {index.name} is missing")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if files:
+        return files
+    pickles = sorted(p.name for ext in ("*.bin", "*.pt", "*.pth", "*.ckpt") for p in path.glob(ext))
+    if pickles:
+        raise ModelLoadError(
+            f"{path}: found only pickle checkpoint(s) {', '.join(pickles)}. " + _CONVERT_HINT.format(p=path)
+        )
+    raise ModelLoadError(f"{path}: no model.safetensors (or sharded *.safetensors with an index) found")
+
+
+def _targets(model: CausalLM, cfg: ModelConfig) -> dict[str, _Target]:
+    """Checkpoint tensor name -> where it goes in our (fused) model."""
+    t: dict[str, _Target] = {"model.embed_tokens.weight": _Target(model.embed_tokens.weight, None)}
+    t["model.norm.weight"] = _Target(model.norm.weight, None)
+    if not cfg.tie_word_embeddings:
+        t["lm_head.weight"] = _Target(model.lm_head.weight, None)
+    q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv_rows = {"q": slice(0, q), "k": slice(q, q + kv), "v": slice(q + kv, q + 2 * kv)}
+        for name, rows in qkv_rows.items():
+            t[f"{p}self_attn.{name}_proj.weight"] = _Target(attn.qkv_proj.weight, rows)
+            if cfg.qkv_bias:
+                t[f"{p}self_attn.{name}_proj.bias"] = _Target(attn.qkv_proj.bias, rows)
+        t[f"{p}self_attn.o_proj.weight"] = _Target(attn.o_proj.weight, None)
+        if cfg.o_bias:
+            t[f"{p}self_attn.o_proj.bias"] = _Target(attn.o_proj.bias, None)
+        if cfg.qk_norm:
+            t[f"{p}self_attn.q_norm.weight"] = _Target(attn.q_norm.weight, None)
+            t[f"{p}self_attn.k_norm.weight"] = _Target(attn.k_norm.weight, None)
+        for name, rows in {"gate": slice(0, inter), "up": slice(inter, 2 * inter)}.items():
+            t[f"{p}mlp.{name}_proj.weight"] = _Target(mlp.gate_up_proj.weight, rows)
+            if cfg.mlp_bias:
+                t[f"{p}mlp.{name}_proj.bias"] = _Target(mlp.gate_up_proj.bias, rows)
+        t[f"{p}mlp.down_proj.weight"] = _Target(mlp.down_proj.weight, None)
+        if cfg.mlp_bias:
+            t[f"{p}mlp.down_proj.bias"] = _Target(mlp.down_proj.bias, None)
+        t[f"{p}input_layernorm.weight"] = _Target(layer.input_layernorm.weight, None)
+        t[f"{p}post_attention_layernorm.weight"] = _Target(layer.post_attention_layernorm.weight, None)
+    return t
+
+
+def _open(file: Path):
+    try:
+        return safe_open(str(file), framework="pt", device="cpu")
+    except Exception as e:  # safetensors raises its own error types for bad headers
+        raise ModelLoadError(
+            f"{file}: corrupt or truncated safetensors file ({e}); re-download or re-save it"
+        ) from None
+
+
+def load_model(
+    path: str | Path, dtype: torch.dtype, device: str = "cpu", max_positions: int | None = None
+) -> CausalLM:
+    """Build the model for an HF directory and fill it from its safetensors, streaming."""
+    path = check_model_dir(path)
+    cfg = ModelConfig.from_file(path / "config.json")
+    files = weight_files(path)
+    with torch.device("meta"):
+        model = CausalLM(cfg, max_positions)
+    model = model.to(dtype).to_empty(device=device)
+    model.tie_weights()
+    targets = _targets(model, cfg)
+    loaded: set[str] = set()
+    ignored: list[str] = []
+    with torch.no_grad():
+        for file in files:
+            with _open(file) as f:
+                for name in f.keys():
+                    target = targets.get(name)
+                    if target is None:
+                        ignored.append(name)
+                        continue
+                    dest = target.param if target.rows is None else target.param[target.rows]
+                    shape = tuple(f.get_slice(name).get_shape())
+                    if shape != tuple(dest.shape):
+                        raise ModelLoadError(
+                            f"{file.name}: tensor {name!r} has shape {list(shape)}, but config.json "
+                            f"implies {list(dest.shape)}; the checkpoint and config.json disagree"
+                        )
+                    try:
+                        tensor = f.get_tensor(name)
+                    except Exception as e:
+                        raise ModelLoadError(
+                            f"{file}: cannot read tensor {name!r} ({e}); the file is corrupt or truncated"
+                        ) from None
+                    dest.copy_(tensor)
+                    loaded.add(name)
+    missing = sorted(set(targets) - loaded)
+    if missing:
+        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise ModelLoadError(
+            f"{path}: checkpoint is missing tensor(s) {', '.join(missing[:5])}{more} "
+            f"in {', '.join(f.name for f in files)}"
+        )
+    unexpected = [n for n in ignored if not (n == "lm_head.weight" or n.endswith("rotary_emb.inv_freq"))]
+    if unexpected:
+        logger.warning("ignored %d unexpected tensor(s), e.g. %s", len(unexpected), unexpected[0])
+    model.rotary.init_tables(device)
+    model.eval()
+    return model

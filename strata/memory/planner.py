@@ -1,0 +1,105 @@
+"""The memory formula: weights + KV bytes per token decide how many tokens and sequences fit."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import psutil
+import torch
+
+from strata.errors import CapacityError
+from strata.graph.model_config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """2 (K and V) x layers x kv_heads x head_dim x bytes per element."""
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+
+
+def weight_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    return cfg.num_params() * dtype.itemsize
+
+
+def free_memory(device: str) -> int:
+    if device.startswith("cuda"):
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+        return int(free)
+    return int(psutil.virtual_memory().available)
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    weight_bytes: int
+    kv_bytes_per_token: int
+    block_size: int
+    num_blocks: int
+    max_model_len: int
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.num_blocks * self.block_size * self.kv_bytes_per_token
+
+    @property
+    def tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def max_len_sequences(self) -> float:
+        return self.tokens / self.max_model_len
+
+    def summary(self) -> str:
+        return (
+            f"weights {fmt_bytes(self.weight_bytes)}; KV {fmt_bytes(self.kv_bytes_per_token)}/token; "
+            f"KV cache {fmt_bytes(self.kv_cache_bytes)} = {self.num_blocks} blocks x {self.block_size} "
+            f"= {self.tokens} tokens = {self.max_len_sequences:.1f} sequences of max_model_len "
+            f"{self.max_model_len}"
+        )
+
+
+def plan_memory(
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    block_size: int,
+    max_model_len: int,
+    max_num_seqs: int,
+    kv_cache_memory: int | None,
+    memory_fraction: float,
+    device: str,
+) -> MemoryPlan:
+    """Size the paged KV cache; error at start if one max_model_len sequence cannot fit.
+
+    With an explicit `kv_cache_memory` that many bytes are used. Otherwise a fraction of free
+    memory, capped at what `max_num_seqs` sequences of `max_model_len` could ever use.
+    """
+    per_token = kv_bytes_per_token(cfg, dtype)
+    per_block = per_token * block_size
+    if kv_cache_memory is not None:
+        budget, source = kv_cache_memory, "kv_cache_memory"
+    else:
+        free = free_memory(device)
+        ceiling = max_num_seqs * (-(-max_model_len // block_size)) * per_block
+        budget = min(int(free * memory_fraction), ceiling)
+        source = f"{memory_fraction:.0%} of {fmt_bytes(free)} free"
+    num_blocks = budget // per_block
+    need_blocks = -(-max_model_len // block_size)
+    if num_blocks < need_blocks:
+        raise CapacityError(
+            f"the KV cache ({fmt_bytes(budget)} from {source}) holds {num_blocks} blocks = "
+            f"{num_blocks * block_size} tokens, but one sequence of max_model_len={max_model_len} "
+            f"needs {need_blocks} blocks ({fmt_bytes(need_blocks * per_block)} at "
+            f"{fmt_bytes(per_token)}/token); raise kv_cache_memory or lower max_model_len"
+        )
+    plan = MemoryPlan(weight_bytes(cfg, dtype), per_token, block_size, int(num_blocks), max_model_len)
+    logger.info("memory plan: %s", plan.summary())
+    return plan
