@@ -242,17 +242,21 @@ class LLMEngine:
                 reason = "stop"
             elif token in p.stop_token_ids:
                 reason, stop_reason = "stop", token
-        full_text = seq.detokenizer.text if seq.detokenizer is not None else ""
-        if reason is None and p.stop and n_out >= p.min_tokens:
+        if reason is None and (
+            (p.max_tokens is not None and n_out >= p.max_tokens) or seq.num_tokens >= self.max_model_len
+        ):
+            reason = "length"
+        full_text = ""
+        if seq.detokenizer is not None:
+            if reason is not None:
+                seq.detokenizer.flush()  # release text held back for an unfinished character
+            full_text = seq.detokenizer.text
+        if p.stop and n_out >= p.min_tokens:
             cut = self._find_stop(full_text, len(seq.text), p)
             if cut is not None:
                 idx, s = cut
                 full_text = full_text[: idx + (len(s) if p.include_stop_str_in_output else 0)]
                 reason, stop_reason = "stop", s
-        if reason is None and (
-            (p.max_tokens is not None and n_out >= p.max_tokens) or seq.num_tokens >= self.max_model_len
-        ):
-            reason = "length"
         if reason is not None:
             seq.text = full_text
             seq.finish_reason, seq.stop_reason = reason, stop_reason

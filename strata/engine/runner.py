@@ -92,5 +92,5 @@ class ModelRunner:
         hidden = self.model(ids, pos, meta, self.kv_caches)
         if not order:
             return None, []
-        logits = self.model.compute_logits(hidden[rows])
+        logits = self.model.compute_logits(hidden.index_select(0, rows))
         return logits.float(), order

@@ -8,6 +8,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from strata.kernels.linear import linear
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose forward goes through Strata's kernel dispatch (see kernels/linear.py)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
 
 class RMSNorm(nn.Module):
     """RMSNorm as in Llama; `forward(x, residual)` also adds the residual first (one pass less)."""
@@ -73,13 +82,20 @@ class RotaryEmbedding(nn.Module):
         self.cos = emb.cos().to(device or cpu)
         self.sin = emb.sin().to(device or cpu)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Rotate x [..., T, heads, head_dim] at `positions` [..., T]."""
-        cos = self.cos[positions].unsqueeze(-2).to(x.dtype)
-        sin = self.sin[positions].unsqueeze(-2).to(x.dtype)
-        x1, x2 = x[..., : self.half], x[..., self.half :]
-        rotated = torch.cat((-x2, x1), dim=-1)
-        return x * cos + rotated * sin
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin at `positions` [..., T] as [..., T, 1, head_dim]; looked up once per step."""
+        flat = positions.reshape(-1)  # index_select: far cheaper than advanced indexing on CPU
+        shape = (*positions.shape, 1, self.cos.shape[-1])
+        cos = self.cos.index_select(0, flat).view(shape).to(dtype)
+        return cos, self.sin.index_select(0, flat).view(shape).to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Rotate x [..., T, heads, head_dim] (rotate-half convention, as HF Llama)."""
+    cos, sin = rope
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
 
 
 class GatedMLP(nn.Module):
@@ -88,8 +104,8 @@ class GatedMLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int, bias: bool) -> None:
         super().__init__()
         self.intermediate = intermediate
-        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=bias)
+        self.down_proj = Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)

@@ -51,10 +51,11 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: to
 
 def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values of the blocks in `block_table` ([..., nb]) as [..., nb * block_size, kvh, d]."""
-    k = kv_cache[0][block_table]
-    v = kv_cache[1][block_table]
-    shape = (*block_table.shape[:-1], -1, *k.shape[-2:])
-    return k.reshape(shape), v.reshape(shape)
+    # one gather for K and V; index_select, because advanced indexing is ~100x slower on CPU here
+    kv = kv_cache.index_select(1, block_table.reshape(-1))
+    shape = (2, *block_table.shape[:-1], -1, *kv.shape[-2:])
+    kv = kv.view(shape)
+    return kv[0], kv[1]
 
 
 def attend(

@@ -13,38 +13,37 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from strata.graph.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from strata.graph.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rotary
 from strata.graph.model_config import ModelConfig
 from strata.kernels.attention import AttentionMetadata, paged_attention
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = self.heads * self.head_dim
         self.kv_size = self.kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.rotary = rotary
 
-    def forward(self, x, positions, meta: AttentionMetadata | None, kv_cache) -> torch.Tensor:
+    def forward(self, x, rope, meta: AttentionMetadata | None, kv_cache) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         lead = qkv.shape[:-1]
         if self.q_norm is None:
             # q and k are adjacent in the fused output: rotate both in one pass
             qk = qkv[..., : self.q_size + self.kv_size].view(*lead, self.heads + self.kv_heads, self.head_dim)
-            qk = self.rotary(positions, qk)
+            qk = apply_rotary(qk, rope)
             q, k = qk[..., : self.heads, :], qk[..., self.heads :, :]
         else:
             q = self.q_norm(qkv[..., : self.q_size].view(*lead, self.heads, self.head_dim))
             k = self.k_norm(
                 qkv[..., self.q_size : self.q_size + self.kv_size].view(*lead, self.kv_heads, self.head_dim)
             )
-            q, k = self.rotary(positions, q), self.rotary(positions, k)
+            q, k = apply_rotary(q, rope), apply_rotary(k, rope)
         v = qkv[..., self.q_size + self.kv_size :].view(*lead, self.kv_heads, self.head_dim)
         if meta is not None:
             out = paged_attention(q, k, v, kv_cache, meta, self.scale)
@@ -64,20 +63,20 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, rotary)
+        self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
 
-    def forward(self, x, residual, positions, meta, kv_cache):
+    def forward(self, x, residual, rope, meta, kv_cache):
         if residual is None:
             residual = x
             x = self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, positions, meta, kv_cache)
+        x = self.self_attn(x, rope, meta, kv_cache)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -88,14 +87,13 @@ class CausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
         super().__init__()
         self.config = cfg
-        rotary = RotaryEmbedding(
+        self.rotary = RotaryEmbedding(
             cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
         )
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.rotary = rotary
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -111,9 +109,10 @@ class CausalLM(nn.Module):
         kv_caches: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        rope = self.rotary(positions, x.dtype)
         residual = None
         for i, layer in enumerate(self.layers):
-            x, residual = layer(x, residual, positions, meta, None if kv_caches is None else kv_caches[i])
+            x, residual = layer(x, residual, rope, meta, None if kv_caches is None else kv_caches[i])
         x, _ = self.norm(x, residual)
         return x
 

@@ -1,0 +1,198 @@
+"""`strata <command>`: generate, bench."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+from strata.errors import StrataError
+
+GENERATE_EXAMPLES = """examples:
+  strata generate --prompt "Once upon a time"            # demo model, streams to the terminal
+  strata generate --model ./Llama-3.2-1B --prompt "Hi" --temperature 0.7 --top-p 0.9 --seed 1
+  strata generate --model ./qwen --input prompts.jsonl --output results.jsonl --max-tokens 128
+    (prompts.jsonl: one JSON object per line with "prompt" (text) or "prompt_token_ids",
+     optionally per-request sampling fields such as "max_tokens" or "temperature")
+"""
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="HF model directory (default: the built-in demo model)")
+    g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (default: auto)")
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--kv-cache-memory", default=None, help="KV cache size, e.g. 2GiB (default: from free memory)")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--max-num-seqs", type=int, default=128)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--threads", type=int, default=None, help="compute threads (default: physical cores)")
+    g.add_argument("--device", default="cpu")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(
+        dtype=args.dtype, max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory,
+        block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.threads, device=args.device,
+    )
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--min-tokens", type=int, default=0)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("-n", type=int, default=1, help="completions per prompt")
+
+
+_SAMPLING_FIELDS = (
+    "n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+    "frequency_penalty", "seed", "max_tokens", "min_tokens", "stop", "stop_token_ids", "ignore_eos",
+    "logprobs", "skip_special_tokens", "include_stop_str_in_output",
+)
+
+
+def sampling_from_args(args: argparse.Namespace, overrides: dict | None = None):
+    from strata import SamplingParams
+
+    kw = {f: getattr(args, f) for f in _SAMPLING_FIELDS if hasattr(args, f)}
+    kw.update({k: v for k, v in (overrides or {}).items() if k in _SAMPLING_FIELDS})
+    return SamplingParams(**kw)
+
+
+def _stream(llm, prompt: str, params) -> None:
+    """Print tokens as they are produced (n = 1), then a timing line on stderr."""
+    engine = llm.engine
+    ids = engine.encode(prompt)
+    engine.validate(0, ids, params)
+    rid = "cli-0"
+    engine.add_request(rid, prompt, ids, params)
+    shown = 0
+    print(prompt, end="", flush=True)
+    out = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            text = out.outputs[0].text
+            print(text[shown:], end="", flush=True)
+            shown = len(text)
+    print()
+    if out is not None and out.first_token_time:
+        n = len(out.outputs[0].token_ids)
+        ttft = out.first_token_time - out.arrival_time
+        dt = out.finished_time - out.first_token_time
+        rate = (n - 1) / dt if n > 1 and dt > 0 else float("nan")
+        print(
+            f"[{n} tokens, finish={out.outputs[0].finish_reason}, TTFT {ttft * 1000:.0f} ms, "
+            f"decode {rate:.1f} tok/s]", file=sys.stderr,
+        )
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    rows = []
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as e:
+        raise StrataError(f"--input {path}: cannot read ({e})") from None
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise StrataError(f"--input {path}:{i}: not valid JSON ({e})") from None
+        if not isinstance(row, dict) or not ("prompt" in row or "prompt_token_ids" in row):
+            raise StrataError(f"--input {path}:{i}: expected an object with 'prompt' or 'prompt_token_ids'")
+        rows.append(row)
+    return rows
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from strata import LLM
+
+    if (args.prompt is None) == (args.input is None):
+        raise StrataError("give exactly one of --prompt TEXT or --input prompts.jsonl")
+    llm = LLM(args.model, **engine_kwargs(args))
+    if args.prompt is not None:
+        params = sampling_from_args(args)
+        if params.n != 1:
+            outs = llm.generate([args.prompt], params, use_tqdm=False)
+            for c in outs[0].outputs:
+                print(f"--- completion {c.index} ({c.finish_reason})\n{args.prompt}{c.text}")
+        else:
+            _stream(llm, args.prompt, params)
+        return 0
+    rows = _read_jsonl(Path(args.input))
+    prompts = [{k: r[k] for k in ("prompt", "prompt_token_ids") if k in r} for r in rows]
+    params = [sampling_from_args(args, r) for r in rows]
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - t0
+    sink = open(args.output, "w") if args.output else sys.stdout  # noqa: SIM115
+    try:
+        for o in outs:
+            record = {
+                "request_id": o.request_id, "prompt": o.prompt,
+                "outputs": [
+                    {"index": c.index, "text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason}
+                    for c in o.outputs
+                ],
+            }
+            sink.write(json.dumps(record, ensure_ascii=False) + "\n")
+    finally:
+        if sink is not sys.stdout:
+            sink.close()
+    generated = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    print(f"{len(outs)} requests, {generated} tokens in {elapsed:.1f}s ({generated / elapsed:.1f} tok/s)", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="strata", description="Strata: an LLM runtime that knows why it is fast or slow")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO (memory plan, load time)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser(
+        "generate", help="generate text", epilog=GENERATE_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    g.add_argument("--prompt", default=None, help="one prompt; tokens stream to the terminal")
+    g.add_argument("--input", default=None, help="JSONL file of prompts (batch mode, progress bar)")
+    g.add_argument("--output", default=None, help="JSONL results file for --input (default: stdout)")
+    add_engine_args(g)
+    add_sampling_args(g)
+    g.set_defaults(func=cmd_generate)
+    from strata.bench import cli as bench_cli
+
+    bench_cli.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        return args.func(args)
+    except (StrataError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
