@@ -231,8 +231,10 @@ class LLMEngine:
         seq.token_ids.append(token)
         if logprob is not None:
             seq.logprobs.append(logprob)
-        if seq.request.timeline.first_token is None:
-            seq.request.timeline.first_token = now
+        timeline = seq.request.timeline
+        timeline.token_times.append(now)
+        if timeline.first_token is None:
+            timeline.first_token = now
         n_out = seq.num_output_tokens
         reason, stop_reason = None, None
         if seq.detokenizer is not None:

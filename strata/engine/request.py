@@ -63,6 +63,8 @@ class Timeline:
     first_scheduled: float | None = None
     first_token: float | None = None
     finished: float | None = None
+    tokenized: float | None = None  # set by front ends that tokenize (the server)
+    token_times: list[float] = field(default_factory=list)  # one stamp per sampled token
 
 
 class Request:

@@ -31,8 +31,11 @@ class ModelRunner:
     def prepare(self, out: SchedulerOutput):
         """Build input ids, positions, attention metadata and the rows whose logits are needed."""
         bs = self.block_size
-        prefills = [s for s in out.scheduled if s.num_tokens > 1]
-        decodes = [s for s in out.scheduled if s.num_tokens == 1]
+        # a decode computes one token and samples; a 1-token prompt chunk that does not finish
+        # the prompt is a (tiny) prefill chunk
+        is_decode = [s.num_tokens == 1 and s.samples for s in out.scheduled]
+        prefills = [s for s, d in zip(out.scheduled, is_decode) if not d]
+        decodes = [s for s, d in zip(out.scheduled, is_decode) if d]
         ids: list[int] = []
         positions: list[torch.Tensor] = []
         slots: list[torch.Tensor] = []

@@ -37,7 +37,7 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     sorted_logits = sorted_logits.masked_fill(remove, _MASK)
     probs = sorted_logits.softmax(-1)
     before = probs.cumsum(-1) - probs  # probability mass strictly ahead of each token
-    remove = before >= top_p[:, None]
+    remove = (before >= top_p[:, None]) & (top_p[:, None] < 1.0)  # fp32 cumsum may reach 1 early
     remove[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(remove, _MASK)
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)

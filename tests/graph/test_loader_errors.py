@@ -1,0 +1,182 @@
+"""Checkpoints that cannot be loaded fail with ModelLoadError naming the file, tensor or fix."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import pickle
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from strata.errors import ModelLoadError
+from strata.graph.loader import load_model
+
+TENSOR = "model.layers.1.mlp.down_proj.weight"
+
+
+@pytest.fixture
+def model_copy(tiny_models, tmp_path):
+    """A private copy of the tiny Llama checkpoint to break."""
+    dst = tmp_path / "model"
+    shutil.copytree(tiny_models["llama"].path, dst)
+    return dst
+
+
+def _load(path):
+    return load_model(path, torch.float32, "cpu", 64)
+
+
+def test_good_copy_loads(model_copy, llm_factory):
+    assert _load(model_copy) is not None
+    llm_factory(model_copy)
+
+
+def test_unknown_path(tmp_path, llm_factory):
+    missing = tmp_path / "no-such-model"
+    with pytest.raises(ModelLoadError, match="no-such-model.*does not exist"):
+        llm_factory(missing)
+
+
+def test_path_is_a_file(tmp_path, llm_factory):
+    f = tmp_path / "file.txt"
+    f.write_text("x")
+    with pytest.raises(ModelLoadError, match="not a directory"):
+        llm_factory(f)
+
+
+def test_missing_config(model_copy, llm_factory):
+    (model_copy / "config.json").unlink()
+    with pytest.raises(ModelLoadError, match="config.json"):
+        llm_factory(model_copy)
+
+
+def test_corrupt_config(model_copy, llm_factory):
+    (model_copy / "config.json").write_text("{not json")
+    with pytest.raises(ModelLoadError, match="config.json"):
+        llm_factory(model_copy)
+
+
+class _Boom:
+    """Unpickling this creates a marker file: proof that a pickle was (wrongly) loaded."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (pathlib.Path.touch, (pathlib.Path(self.marker),))
+
+
+def test_pickle_checkpoint_refused_without_unpickling(model_copy, tmp_path, llm_factory):
+    (model_copy / "model.safetensors").unlink()
+    marker = tmp_path / "unpickled"
+    with open(model_copy / "pytorch_model.bin", "wb") as f:
+        pickle.dump({"model.embed_tokens.weight": _Boom(str(marker))}, f)
+    with pytest.raises(ModelLoadError) as err:
+        llm_factory(model_copy)
+    msg = str(err.value)
+    assert "pytorch_model.bin" in msg
+    assert "safetensors" in msg and "onvert" in msg, msg  # tells how to convert
+    assert not marker.exists(), "the pickle checkpoint was unpickled"
+
+
+def test_no_weights_at_all(model_copy, llm_factory):
+    (model_copy / "model.safetensors").unlink()
+    with pytest.raises(ModelLoadError, match="safetensors"):
+        llm_factory(model_copy)
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.9, 0.0001], ids=["half", "most", "header-cut"])
+def test_truncated_safetensors_names_file(model_copy, keep, llm_factory):
+    f = model_copy / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[: max(10, int(len(data) * keep))])
+    with pytest.raises(ModelLoadError, match="model.safetensors") as err:
+        llm_factory(model_copy)
+    assert "truncated" in str(err.value) or "corrupt" in str(err.value)
+
+
+def _rewrite(path, edit):
+    f = path / "model.safetensors"
+    sd = load_file(str(f))
+    edit(sd)
+    save_file(sd, str(f), metadata={"format": "pt"})
+
+
+def test_missing_tensor_named(model_copy, llm_factory):
+    _rewrite(model_copy, lambda sd: sd.pop(TENSOR))
+    with pytest.raises(ModelLoadError, match=TENSOR.replace(".", r"\.")):
+        llm_factory(model_copy)
+
+
+def test_missing_untied_lm_head_named(tiny_models, tmp_path, llm_factory):
+    dst = tmp_path / "untied"
+    shutil.copytree(tiny_models["mistral"].path, dst)
+    _rewrite(dst, lambda sd: sd.pop("lm_head.weight"))
+    with pytest.raises(ModelLoadError, match=r"lm_head\.weight"):
+        llm_factory(dst)
+
+
+def test_missing_qkv_bias_named(tiny_models, tmp_path, llm_factory):
+    dst = tmp_path / "qwen2"
+    shutil.copytree(tiny_models["qwen2"].path, dst)
+    _rewrite(dst, lambda sd: sd.pop("model.layers.0.self_attn.k_proj.bias"))
+    with pytest.raises(ModelLoadError, match=r"model\.layers\.0\.self_attn\.k_proj\.bias"):
+        llm_factory(dst)
+
+
+def test_wrong_shape_named(model_copy, llm_factory):
+    def edit(sd):
+        sd[TENSOR] = torch.zeros(sd[TENSOR].shape[0], sd[TENSOR].shape[1] + 1)
+
+    _rewrite(model_copy, edit)
+    with pytest.raises(ModelLoadError, match=TENSOR.replace(".", r"\.")) as err:
+        llm_factory(model_copy)
+    assert "shape" in str(err.value)
+
+
+def test_config_disagreeing_with_weights(model_copy, llm_factory):
+    cfg = json.loads((model_copy / "config.json").read_text())
+    cfg["intermediate_size"] = 96
+    (model_copy / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="shape"):
+        llm_factory(model_copy)
+
+
+def test_unsupported_architecture_lists_supported(model_copy, llm_factory):
+    cfg = json.loads((model_copy / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (model_copy / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError) as err:
+        llm_factory(model_copy)
+    msg = str(err.value)
+    assert "GPT2LMHeadModel" in msg
+    for arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        assert arch in msg
+
+
+def test_sharded_checkpoint_with_missing_shard(model_copy, llm_factory):
+    index = {"metadata": {}, "weight_map": {TENSOR: "model-00002-of-00002.safetensors"}}
+    (model_copy / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ModelLoadError, match="model-00002-of-00002.safetensors"):
+        llm_factory(model_copy)
+
+
+def test_sharded_checkpoint_loads(model_copy, tiny_models, hf_forward):
+    """Split the weights over two shards with an index: same logits as the single file."""
+    sd = load_file(str(model_copy / "model.safetensors"))
+    (model_copy / "model.safetensors").unlink()
+    names = sorted(sd)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    weight_map = {}
+    for shard, keys in shards.items():
+        save_file({k: sd[k] for k in keys}, str(model_copy / shard), metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(keys, shard)
+    (model_copy / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    m = _load(model_copy)
+    ids = list(range(3, 23))
+    with torch.no_grad():
+        got = m.compute_logits(m(torch.tensor([ids]), torch.arange(20)[None]))[0]
+    torch.testing.assert_close(got, hf_forward(tiny_models["llama"], ids), atol=1e-4, rtol=0)
