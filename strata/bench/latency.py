@@ -1,0 +1,170 @@
+"""Latency of one batch: prefill time, decode speed, and how close decode gets to the memory roofline.
+
+Runs --batch random-token prompts of --input-len tokens together, greedy, ignoring EOS, for
+--output-len tokens each. Prefill time is the batch's time to first token; the remaining
+output-len - 1 tokens are decode steps. Decode streams every weight and each sequence's KV once
+per step, so achieved bandwidth = (weight bytes + mean KV bytes read per step) / step time, and
+MBU = that / this machine's memory bandwidth, measured in-process just before the runs. Prefill
+FLOP/s is 2 x params x prompt tokens / prefill time (attention FLOPs not counted).
+
+With --compare hf, transformers runs the same prompts on the same weights, dtype and threads:
+one forward over the prompts for prefill, then a plain greedy loop over a DynamicCache.
+
+examples:
+  strata bench latency                                      # demo model, batch 1, 128 in / 128 out
+  strata bench latency --random-model smol-135m --dtype float32 --compare hf
+  strata bench latency --model ./Qwen2.5-0.5B --batch 8 --input-len 512 --output-len 64 --json lat.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+
+import numpy as np
+import torch
+
+from strata.bench.common import (
+    add_model_args,
+    bench_engine_kwargs,
+    print_table,
+    random_prompts,
+    ratio,
+    resolve_model,
+    special_ids,
+    write_json,
+)
+from strata.errors import ConfigError, StrataError
+
+NAME = "latency"
+HELP = "prefill time, decode tok/s and memory-bandwidth utilisation of one batch (optionally vs transformers)"
+
+_RATES = ("prefill_tokens_per_s", "prefill_gflops", "decode_tokens_per_s_per_seq",
+          "decode_tokens_per_s", "achieved_gbs", "mbu")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_model_args(p)
+    g = p.add_argument_group("workload")
+    g.add_argument("--batch", type=int, default=1, help="sequences run together (default 1)")
+    g.add_argument("--input-len", type=int, default=128, help="prompt tokens per sequence (default 128)")
+    g.add_argument("--output-len", type=int, default=128, help="output tokens per sequence, >= 2 (default 128)")
+    g.add_argument("--warmup", type=int, default=1, help="untimed warm-up runs (short outputs) before timing")
+    g.add_argument("--seed", type=int, default=0, help="seed for the token ids")
+
+
+def figures(
+    prefill_s: float, decode_s: float, args: argparse.Namespace, params: int, weight_bytes: int,
+    kv_bytes_per_token: int, bandwidth_gbs: float,
+) -> dict:
+    """Rates and roofline figures from the two phase times (same formulas for every engine)."""
+    b, n_in, n_out = args.batch, args.input_len, args.output_len
+    steps = n_out - 1
+    step_s = decode_s / steps
+    # decode step j (1..steps) attends over n_in + j positions: mean n_in + n_out / 2 per sequence
+    kv_read = b * (n_in + n_out / 2) * kv_bytes_per_token
+    achieved = (weight_bytes + kv_read) / step_s / 1e9
+    return {
+        "prefill_s": prefill_s,
+        "prefill_tokens_per_s": b * n_in / prefill_s,
+        "prefill_gflops": 2 * params * b * n_in / prefill_s / 1e9,
+        "decode_s": decode_s,
+        "decode_steps": steps,
+        "ms_per_step": step_s * 1e3,
+        "decode_tokens_per_s_per_seq": steps / decode_s,
+        "decode_tokens_per_s": b * steps / decode_s,
+        "bytes_per_step": weight_bytes + kv_read,
+        "achieved_gbs": achieved,
+        "mbu": achieved / bandwidth_gbs,
+    }
+
+
+def _row(name: str, f: dict) -> list:
+    return [name, f["prefill_s"] * 1e3, f["prefill_tokens_per_s"], f["prefill_gflops"], f["ms_per_step"],
+            f["decode_tokens_per_s_per_seq"], f["decode_tokens_per_s"], f["achieved_gbs"],
+            f"{f['mbu']:.1%}"]
+
+
+def _strata_run(llm, prompts: list[list[int]], output_len: int) -> tuple[float, float]:
+    """(prefill_s, decode_s) from the requests' own timeline stamps."""
+    from strata import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    start = min(o.arrival_time for o in outs)
+    first = max(o.first_token_time for o in outs)
+    end = max(o.finished_time for o in outs)
+    if any(len(o.outputs[0].token_ids) != output_len for o in outs):
+        raise StrataError(f"a request stopped before its {output_len} tokens")
+    return first - start, end - first
+
+
+def main(args: argparse.Namespace) -> int:
+    from strata import LLM
+    from strata.hardware.probe import measure_mem_bandwidth
+
+    for flag, v, lo in (("--batch", args.batch, 1), ("--input-len", args.input_len, 1),
+                        ("--output-len", args.output_len, 2), ("--warmup", args.warmup, 0)):
+        if v < lo:
+            raise ConfigError(f"{flag}: must be >= {lo}, got {v}")
+    need = args.input_len + args.output_len
+    llm = LLM(resolve_model(args), **bench_engine_kwargs(args, need, args.batch))
+    eng = llm.engine
+    cfg, vocab, avoid = eng.model_config, eng.model_config.vocab_size, special_ids(eng)
+    rng = np.random.default_rng(args.seed)
+    prompts = random_prompts(rng, vocab, [args.input_len] * args.batch, avoid)
+    warm = [random_prompts(np.random.default_rng(args.seed + 1 + i), vocab, [args.input_len] * args.batch, avoid)
+            for i in range(args.warmup)]
+    warm_len = min(args.output_len, 8)
+    params, wbytes, kvtok = cfg.num_params(), eng.plan.weight_bytes, eng.plan.kv_bytes_per_token
+    info = {
+        "benchmark": NAME, "model": str(eng.model_path), "architecture": cfg.architecture, "params": params,
+        "dtype": str(eng.dtype).replace("torch.", ""), "device": args.device, "threads": eng.threads,
+        "batch": args.batch, "input_len": args.input_len, "output_len": args.output_len,
+        "warmup": args.warmup, "seed": args.seed, "weight_bytes": wbytes, "kv_bytes_per_token": kvtok,
+    }
+    print(
+        f"model {info['model']} ({cfg.architecture}, {params / 1e6:.0f}M params), {info['dtype']}, "
+        f"{args.device}, {eng.threads} threads\n"
+        f"batch {args.batch} x input {args.input_len}, output {args.output_len} "
+        f"({args.output_len - 1} decode steps), warmup {args.warmup}"
+    )
+    if args.batch * args.input_len > args.max_num_batched_tokens:
+        print(f"note: {args.batch * args.input_len} prompt tokens exceed --max-num-batched-tokens "
+              f"{args.max_num_batched_tokens}; Strata's prefill is chunked over several steps")
+
+    bw = measure_mem_bandwidth(args.device)
+    info["mem_bandwidth_gbs"] = bw
+    kv_mean = args.batch * (args.input_len + args.output_len / 2) * kvtok
+    print(f"memory bandwidth (measured now): {bw:.1f} GB/s; decode reads {wbytes / 1e6:.1f} MB weights "
+          f"+ {kv_mean / 1e6:.1f} MB KV (mean) per step")
+
+    for w in warm:
+        _strata_run(llm, w, warm_len)
+    prefill_s, decode_s = _strata_run(llm, prompts, args.output_len)
+    fig = dict(params=params, weight_bytes=wbytes, kv_bytes_per_token=kvtok, bandwidth_gbs=bw)
+    results = {"strata": figures(prefill_s, decode_s, args, **fig)}
+    rows = [_row("strata", results["strata"])]
+
+    if args.compare == "hf":
+        from strata.bench.hf_peer import hf_latency, load_hf_model
+
+        path, dtype, threads = eng.model_path, eng.dtype, eng.threads
+        del llm, eng
+        gc.collect()  # free Strata's KV cache before loading the peer
+        torch.set_num_threads(threads)
+        model = load_hf_model(str(path), dtype, args.device)
+        for w in warm:
+            hf_latency(model, w, warm_len, args.device, progress=False)
+        run = hf_latency(model, prompts, args.output_len, args.device)
+        results["hf"] = hf = figures(run.prefill_s, run.decode_s, args, **fig)
+        results["ratio"] = r = {k: ratio(results["strata"][k], hf[k]) for k in _RATES}
+        rows.append(_row("hf", hf))
+        rows.append(["strata/hf"] + [""] + [f"{r[k]:.2f}x" for k in _RATES[:2]] + [""]
+                    + [f"{r[k]:.2f}x" for k in _RATES[2:]])
+
+    print()
+    print_table(["engine", "prefill ms", "prefill tok/s", "prefill GFLOP/s", "ms/step",
+                 "tok/s/seq", "tok/s total", "decode GB/s", "MBU"], rows)
+    write_json(args.json, {**info, **results})
+    return 0

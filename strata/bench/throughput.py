@@ -1,0 +1,135 @@
+"""Offline throughput: many random-token requests through LLM.generate (continuous batching).
+
+Prompt and output lengths are drawn uniformly from the given ranges (deterministic in --seed);
+every request ignores EOS and runs to its own output length. With --compare hf the same requests
+run through transformers `generate` in static, left-padded batches in the same process, on the
+same weights, dtype and thread count, and the table shows the Strata/HF ratio. Only each
+request's own output tokens are counted for both (HF's batch padding is not credited).
+
+examples:
+  strata bench throughput                                   # demo model
+  strata bench throughput --random-model smol-135m --dtype float32 --compare hf
+  strata bench throughput --model ./Qwen2.5-0.5B --num-prompts 256 --input-len 128:1024 \\
+      --output-len 64:512 --json throughput.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+
+import numpy as np
+import torch
+
+from strata.bench.common import (
+    add_model_args,
+    bench_engine_kwargs,
+    parse_range,
+    print_table,
+    random_prompts,
+    ratio,
+    resolve_model,
+    special_ids,
+    write_json,
+)
+from strata.errors import ConfigError
+
+NAME = "throughput"
+HELP = "offline throughput on random-token requests (optionally vs transformers)"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_model_args(p)
+    g = p.add_argument_group("workload")
+    g.add_argument("--num-prompts", type=int, default=64)
+    g.add_argument("--input-len", default="32:512", help="prompt tokens, N or LO:HI uniform (default 32:512)")
+    g.add_argument("--output-len", default="32:256", help="output tokens, N or LO:HI uniform (default 32:256)")
+    g.add_argument("--seed", type=int, default=0, help="seed for lengths and token ids")
+    g.add_argument("--hf-batch-size", type=int, default=16, help="static batch size for --compare hf")
+
+
+def _figures(n: int, elapsed: float, prompt_tokens: int, output_tokens: int) -> dict:
+    return {
+        "requests": n, "elapsed_s": elapsed, "requests_per_s": n / elapsed,
+        "output_tokens_per_s": output_tokens / elapsed,
+        "total_tokens_per_s": (prompt_tokens + output_tokens) / elapsed,
+    }
+
+
+def _row(name: str, f: dict) -> list:
+    return [name, f["requests"], f["elapsed_s"], f["requests_per_s"], f["output_tokens_per_s"],
+            f["total_tokens_per_s"]]
+
+
+def main(args: argparse.Namespace) -> int:
+    from strata import LLM, SamplingParams
+
+    if args.num_prompts < 1:
+        raise ConfigError(f"--num-prompts: must be >= 1, got {args.num_prompts}")
+    if args.hf_batch_size < 1:
+        raise ConfigError(f"--hf-batch-size: must be >= 1, got {args.hf_batch_size}")
+    in_lo, in_hi = parse_range(args.input_len, "--input-len")
+    out_lo, out_hi = parse_range(args.output_len, "--output-len")
+    rng = np.random.default_rng(args.seed)
+    in_lens = rng.integers(in_lo, in_hi + 1, size=args.num_prompts).tolist()
+    out_lens = rng.integers(out_lo, out_hi + 1, size=args.num_prompts).tolist()
+    need = max(i + o for i, o in zip(in_lens, out_lens))
+
+    llm = LLM(resolve_model(args), **bench_engine_kwargs(args, need, args.num_prompts))
+    eng = llm.engine
+    avoid = special_ids(eng)
+    prompts = random_prompts(rng, eng.model_config.vocab_size, in_lens, avoid)
+    params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for o in out_lens]
+    prompt_tokens = sum(in_lens)
+    info = {
+        "benchmark": NAME, "model": str(eng.model_path), "architecture": eng.model_config.architecture,
+        "params": eng.model_config.num_params(), "dtype": str(eng.dtype).replace("torch.", ""),
+        "device": args.device, "threads": eng.threads, "num_prompts": args.num_prompts,
+        "input_len": [in_lo, in_hi], "output_len": [out_lo, out_hi], "seed": args.seed,
+        "prompt_tokens": prompt_tokens, "output_tokens": sum(out_lens),
+    }
+    print(
+        f"model {info['model']} ({info['architecture']}, {info['params'] / 1e6:.0f}M params), "
+        f"{info['dtype']}, {args.device}, {eng.threads} threads\n"
+        f"{args.num_prompts} requests: input {in_lo}:{in_hi} (mean {prompt_tokens / args.num_prompts:.0f}), "
+        f"output {out_lo}:{out_hi} (mean {sum(out_lens) / args.num_prompts:.0f}), seed {args.seed}"
+    )
+
+    warm = [prompts[0][:8]]
+    llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), use_tqdm=False)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=True)
+    elapsed = time.perf_counter() - t0
+    produced = sum(len(o.outputs[0].token_ids) for o in outs)
+    results = {"strata": _figures(len(outs), elapsed, prompt_tokens, produced)}
+    rows = [_row("strata", results["strata"])]
+
+    if args.compare == "hf":
+        from strata.bench.hf_peer import hf_throughput, load_hf_model
+
+        path, dtype, threads = eng.model_path, eng.dtype, eng.threads
+        pad = eng.eos_token_ids[0] if eng.eos_token_ids else 0
+        del llm, eng, outs
+        gc.collect()  # free Strata's KV cache before loading the peer
+        torch.set_num_threads(threads)
+        model = load_hf_model(str(path), dtype, args.device)
+        hf_throughput(model, [p[:8] for p in prompts[:1]], [2], 1, pad, args.device, progress=False)
+        run = hf_throughput(model, prompts, out_lens, args.hf_batch_size, pad, args.device)
+        hf = _figures(len(prompts), run.elapsed_s, prompt_tokens, sum(out_lens))
+        hf.update(batch_size=args.hf_batch_size, batches=run.num_batches,
+                  padded_output_tokens=run.padded_output_tokens)
+        results["hf"] = hf
+        results["ratio"] = {
+            k: ratio(results["strata"][k], hf[k])
+            for k in ("requests_per_s", "output_tokens_per_s", "total_tokens_per_s")
+        }
+        rows.append(_row(f"hf (batch {args.hf_batch_size})", hf))
+        r = results["ratio"]
+        rows.append(["strata/hf", "", "", f"{r['requests_per_s']:.2f}x",
+                     f"{r['output_tokens_per_s']:.2f}x", f"{r['total_tokens_per_s']:.2f}x"])
+
+    print()
+    print_table(["engine", "requests", "elapsed s", "requests/s", "output tok/s", "total tok/s"], rows)
+    write_json(args.json, {**info, **results})
+    return 0

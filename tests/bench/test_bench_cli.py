@@ -1,0 +1,72 @@
+"""`strata bench throughput|latency` end to end on the tiny random model, with the HF peer."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from strata.cli import main
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("STRATA_CACHE", str(tmp_path / "cache"))
+
+
+def _positive(d: dict, keys: tuple[str, ...]) -> None:
+    for k in keys:
+        assert isinstance(d[k], int | float) and math.isfinite(d[k]) and d[k] > 0, (k, d[k])
+
+
+def test_throughput_vs_hf_writes_json(tmp_path, capsys):
+    out = tmp_path / "tp.json"
+    rc = main([
+        "bench", "throughput", "--random-model", "tiny", "--dtype", "float32", "--threads", "1",
+        "--num-prompts", "4", "--input-len", "8:16", "--output-len", "4:8", "--seed", "3",
+        "--compare", "hf", "--hf-batch-size", "2", "--json", str(out),
+    ])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "output tok/s" in printed and "strata/hf" in printed
+    data = json.loads(out.read_text())
+    assert data["num_prompts"] == 4 and data["threads"] == 1
+    assert 4 * 8 <= data["prompt_tokens"] <= 4 * 16 and 4 * 4 <= data["output_tokens"] <= 4 * 8
+    figures = ("requests", "elapsed_s", "requests_per_s", "output_tokens_per_s", "total_tokens_per_s")
+    _positive(data["strata"], figures)
+    _positive(data["hf"], figures)
+    assert data["strata"]["requests"] == data["hf"]["requests"] == 4
+    _positive(data["ratio"], ("requests_per_s", "output_tokens_per_s", "total_tokens_per_s"))
+
+
+def test_latency_vs_hf_writes_json(tmp_path, capsys):
+    out = tmp_path / "lat.json"
+    rc = main([
+        "bench", "latency", "--random-model", "tiny", "--dtype", "float32", "--threads", "1",
+        "--batch", "2", "--input-len", "8", "--output-len", "4", "--warmup", "1",
+        "--compare", "hf", "--json", str(out),
+    ])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "memory bandwidth" in printed and "MBU" in printed
+    data = json.loads(out.read_text())
+    _positive(data, ("mem_bandwidth_gbs", "weight_bytes", "kv_bytes_per_token", "params"))
+    figures = ("prefill_s", "prefill_tokens_per_s", "prefill_gflops", "decode_s", "ms_per_step",
+               "decode_tokens_per_s_per_seq", "decode_tokens_per_s", "achieved_gbs", "mbu")
+    for engine in ("strata", "hf"):
+        _positive(data[engine], figures)
+        assert data[engine]["decode_steps"] == 3
+        assert data[engine]["decode_tokens_per_s"] == pytest.approx(2 * data[engine]["decode_tokens_per_s_per_seq"])
+    _positive(data["ratio"], ("prefill_tokens_per_s", "decode_tokens_per_s", "mbu"))
+
+
+def test_bad_flags_are_reported(tmp_path, capsys):
+    assert main(["bench", "throughput", "--random-model", "tiny", "--input-len", "9:3"]) == 2
+    assert "--input-len" in capsys.readouterr().err
+    assert main(["bench", "latency", "--random-model", "tiny", "--output-len", "1"]) == 2
+    assert "--output-len" in capsys.readouterr().err
+    assert main(["bench", "latency", "--random-model", "tiny", "--model", str(tmp_path)]) == 2
+    assert "not both" in capsys.readouterr().err
