@@ -48,7 +48,7 @@ class EngineConfig:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     num_threads: int | None = None
-    attention_backend: str = "auto"  # auto | torch | sdpa
+    attention_backend: str = "auto"  # auto | torch | sdpa | cpu
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -73,9 +73,9 @@ class EngineConfig:
             self.kv_cache_memory = parse_bytes(self.kv_cache_memory, "kv_cache_memory")
         if not 0.0 < self.memory_fraction <= 1.0:
             raise ConfigError(f"memory_fraction: must be in (0, 1], got {self.memory_fraction}")
-        if self.attention_backend not in ("auto", "torch", "sdpa"):
+        if self.attention_backend not in ("auto", "torch", "sdpa", "cpu"):
             raise ConfigError(
-                f"attention_backend: unknown {self.attention_backend!r}; choose auto, torch or sdpa"
+                f"attention_backend: unknown {self.attention_backend!r}; choose auto, torch, sdpa or cpu"
             )
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError(f"num_threads: must be >= 1, got {self.num_threads}")

@@ -77,7 +77,7 @@ class LLMEngine:
         self.kv_caches = allocate_kv_cache(cfg, self.plan.num_blocks, config.block_size, self.dtype, config.device)
         self.block_manager = BlockManager(self.plan.num_blocks, config.block_size)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        backend = "sdpa" if config.attention_backend == "auto" else config.attention_backend
+        backend = self._attention_backend()
         self.runner = ModelRunner(self.model, self.kv_caches, config.block_size, config.device, backend)
         self.sampler = Sampler(cfg.vocab_size, self.eos_token_ids, config.seed)
         self.requests: dict[str, Request] = {}
@@ -117,6 +117,21 @@ class LLMEngine:
             )
             want = cfg.sliding_window
         return want
+
+    def _attention_backend(self) -> str:
+        """auto: the numba paged-decode kernel for fp32 on CPU when numba is present, else SDPA."""
+        from strata.kernels import cpu_attention
+
+        choice = self.config.attention_backend
+        cpu_ok = self.config.device == "cpu" and self.dtype == torch.float32 and cpu_attention.available()
+        if choice == "cpu" and not cpu_ok:
+            raise ConfigError(
+                "attention_backend: 'cpu' needs numba, device cpu and dtype float32; use 'auto' or 'sdpa'"
+            )
+        if choice == "auto":
+            choice = "cpu" if cpu_ok else "sdpa"
+        logger.info("attention backend: %s", choice)
+        return choice
 
     # --- requests ------------------------------------------------------------------------
     def encode(self, prompt: str) -> list[int]:

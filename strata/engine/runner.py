@@ -59,7 +59,7 @@ class ModelRunner:
                 logit_rows.append(len(ids) - 1)
                 order.append(seq)
         p = len(ids)
-        decode_tables = decode_mask = None
+        decode_tables = decode_mask = decode_lens = None
         if decodes:
             dpos = [s.seq.num_computed_tokens for s in decodes]
             ids += [s.seq.token_ids[q] for s, q in zip(decodes, dpos)]
@@ -70,8 +70,10 @@ class ModelRunner:
             dpos_t = self._tensor(dpos)
             positions.append(dpos_t)
             slots.append(self._tensor(dslots))
-            keys = torch.arange(max_blocks * bs, device=self.device)
-            decode_mask = (keys[None, :] <= dpos_t[:, None]).view(len(decodes), 1, 1, -1)
+            decode_lens = dpos_t + 1
+            if self.backend != "cpu":  # the numba kernel reads lengths, not a mask
+                keys = torch.arange(max_blocks * bs, device=self.device)
+                decode_mask = (keys[None, :] <= dpos_t[:, None]).view(len(decodes), 1, 1, -1)
             logit_rows += range(p, len(ids))
             order += [s.seq for s in decodes]
         meta = AttentionMetadata(
@@ -80,6 +82,7 @@ class ModelRunner:
             num_prefill_tokens=p,
             decode_block_tables=decode_tables,
             decode_mask=decode_mask,
+            decode_context_lens=decode_lens,
             backend=self.backend,
         )
         pos_t = torch.cat(positions) if len(positions) > 1 else positions[0]

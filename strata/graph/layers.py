@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from strata.kernels import cpu_norm
 from strata.kernels.linear import linear
 
 
@@ -29,6 +30,9 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if cpu_norm.usable(x, self.weight):
+            out, new_residual = cpu_norm.add_rms_norm(x, residual, self.weight, self.eps)
+            return out if residual is None else (out, new_residual)
         if residual is not None:
             x = x + residual
             residual = x

@@ -3,8 +3,10 @@
 KV cache per layer: a tensor [2, num_blocks, block_size, num_kv_heads, head_dim]. Tokens of a
 step arrive flattened ([T, heads, head_dim]): prefill chunks first, then one token per decode.
 
-Backends: "torch" (explicit matmul + softmax in fp32, the reference) and "sdpa"
-(torch.nn.functional.scaled_dot_product_attention). GPU kernels plug in at `paged_attention`.
+Backends: "torch" (explicit matmul + softmax in fp32, the reference), "sdpa"
+(torch.nn.functional.scaled_dot_product_attention) and "cpu" (decodes through the numba kernel in
+cpu_attention.py, which reads K/V straight from the blocks; prefill chunks use SDPA). GPU kernels
+plug in at `paged_attention`.
 Grouped-query attention never copies K/V per query head: the query heads sharing a KV head are
 laid out as extra query rows of that KV head.
 """
@@ -16,7 +18,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-BACKENDS = ("torch", "sdpa")
+from strata.kernels import cpu_attention
+
+BACKENDS = ("torch", "sdpa", "cpu")
 
 
 @dataclass
@@ -38,7 +42,8 @@ class AttentionMetadata:
     prefills: list[PrefillSpan]
     num_prefill_tokens: int
     decode_block_tables: torch.Tensor | None  # [B, max_blocks] long (padded with block 0)
-    decode_mask: torch.Tensor | None  # [B, 1, 1, max_blocks * block_size] bool
+    decode_mask: torch.Tensor | None  # [B, 1, 1, max_blocks * block_size] bool (torch/sdpa only)
+    decode_context_lens: torch.Tensor | None = None  # [B] long, tokens incl. the new one
     backend: str = "sdpa"
 
 
@@ -63,7 +68,7 @@ def attend(
     causal: bool, scale: float, backend: str,
 ) -> torch.Tensor:
     """q [..., kvh, rows, d], k/v [..., kvh, L, d], mask broadcastable to [..., kvh, rows, L]."""
-    if backend == "sdpa":
+    if backend != "torch":
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
     if causal:
@@ -91,6 +96,8 @@ def _prefill(q, k, v, kv_cache, span: PrefillSpan, scale: float, backend: str) -
 
 
 def _decode(q, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    if meta.backend == "cpu":
+        return cpu_attention.paged_decode(q, kv_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
     b, heads, head_dim = q.shape
     kv_heads = kv_cache.shape[-2]
     qd = q.view(b, kv_heads, heads // kv_heads, head_dim)

@@ -1,0 +1,96 @@
+"""Paged decode attention on CPU (numba): reads each cached K/V row once, straight from its block.
+
+The torch paths gather every sequence's blocks into a padded copy and then run SDPA over it, so
+decode attention moves the KV cache three times; profiled on a 16-request batch, the gather and
+SDPA were 65% of step time. This kernel walks the block table instead: per (sequence, KV head),
+scores for the query heads of that group, a softmax, then the weighted sum of V. Its reference
+twin is `attention._decode` with backend "torch"; tests compare the two.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from strata.kernels import cpu_gemv
+
+try:
+    import numba
+    from numba import njit, prange
+except ImportError:  # pragma: no cover
+    numba = None
+
+
+def available() -> bool:
+    return numba is not None
+
+
+if numba is not None:
+
+    @njit(parallel=True, fastmath=True, cache=True)
+    def _paged_decode(q, k_cache, v_cache, tables, lens, scale, out):  # pragma: no cover - compiled
+        batch, heads, dim = q.shape
+        block = k_cache.shape[1]
+        kv_heads = k_cache.shape[2]
+        group = heads // kv_heads
+        for item in prange(batch * kv_heads):
+            b = item // kv_heads
+            kh = item % kv_heads
+            length = lens[b]
+            h0 = kh * group
+            scores = np.empty((group, length), np.float32)
+            for t in range(length):
+                blk = tables[b, t // block]
+                off = t % block
+                for g in range(group):
+                    s = np.float32(0.0)
+                    for d in range(dim):
+                        s += q[b, h0 + g, d] * k_cache[blk, off, kh, d]
+                    scores[g, t] = s * scale
+            acc = np.zeros((group, dim), np.float32)
+            for g in range(group):
+                m = scores[g, 0]
+                for t in range(1, length):
+                    m = max(m, scores[g, t])
+                total = np.float32(0.0)
+                for t in range(length):
+                    e = np.exp(scores[g, t] - m)
+                    scores[g, t] = e
+                    total += e
+                for t in range(length):
+                    scores[g, t] /= total
+            for t in range(length):
+                blk = tables[b, t // block]
+                off = t % block
+                for g in range(group):
+                    p = scores[g, t]
+                    for d in range(dim):
+                        acc[g, d] += p * v_cache[blk, off, kh, d]
+            for g in range(group):
+                for d in range(dim):
+                    out[b, h0 + g, d] = acc[g, d]
+
+
+def usable(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    return (
+        numba is not None
+        and q.device.type == "cpu"
+        and q.dtype == torch.float32
+        and kv_cache.dtype == torch.float32
+        and kv_cache.is_contiguous()
+    )
+
+
+def paged_decode(
+    q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """q [B, heads, d] over the paged cache [2, blocks, block_size, kv_heads, d] -> [B, heads * d]."""
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    cpu_gemv.sync_threads()
+    _paged_decode(
+        q.numpy(), kv_cache[0].numpy(), kv_cache[1].numpy(), block_tables.numpy(),
+        context_lens.numpy(), np.float32(scale), out.numpy(),
+    )
+    return out.view(q.shape[0], -1)
