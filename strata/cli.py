@@ -45,11 +45,12 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--min-tokens", type=int, default=0)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=-1)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--temperature", type=float, default=None,
+                   help="0 = greedy (default: generation_config.json's, else greedy)")
+    g.add_argument("--top-p", type=float, default=None, help="(default: generation_config.json's, else 1)")
+    g.add_argument("--top-k", type=int, default=None, help="-1 = off (default: generation_config.json's)")
+    g.add_argument("--min-p", type=float, default=None)
+    g.add_argument("--repetition-penalty", type=float, default=None)
     g.add_argument("--presence-penalty", type=float, default=0.0)
     g.add_argument("--frequency-penalty", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=None)
@@ -65,12 +66,13 @@ _SAMPLING_FIELDS = (
 )
 
 
-def sampling_from_args(args: argparse.Namespace, overrides: dict | None = None):
+def sampling_from_args(args: argparse.Namespace, llm, overrides: dict | None = None):
+    """Flags given explicitly, else the checkpoint's generation_config.json, else greedy."""
+    kw = {f: getattr(args, f) for f in _SAMPLING_FIELDS if getattr(args, f, None) is not None}
+    kw.update({k: v for k, v in (overrides or {}).items() if k in _SAMPLING_FIELDS})
     from strata import SamplingParams
 
-    kw = {f: getattr(args, f) for f in _SAMPLING_FIELDS if hasattr(args, f)}
-    kw.update({k: v for k, v in (overrides or {}).items() if k in _SAMPLING_FIELDS})
-    return SamplingParams(**kw)
+    return SamplingParams(**{"temperature": 0.0, **llm.engine.generation_defaults, **kw})
 
 
 def _stream(llm, prompt: str, params) -> None:
@@ -126,7 +128,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise StrataError("give exactly one of --prompt TEXT or --input prompts.jsonl")
     llm = LLM(args.model, **engine_kwargs(args))
     if args.prompt is not None:
-        params = sampling_from_args(args)
+        params = sampling_from_args(args, llm)
         if params.n != 1:
             outs = llm.generate([args.prompt], params, use_tqdm=False)
             for c in outs[0].outputs:
@@ -136,7 +138,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return 0
     rows = _read_jsonl(Path(args.input))
     prompts = [{k: r[k] for k in ("prompt", "prompt_token_ids") if k in r} for r in rows]
-    params = [sampling_from_args(args, r) for r in rows]
+    params = [sampling_from_args(args, llm, r) for r in rows]
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - t0

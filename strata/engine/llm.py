@@ -26,6 +26,10 @@ class LLM:
         self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
         self._counter = 0
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The checkpoint's generation_config.json defaults (temperature, top_p, top_k, ...)."""
+        return self.engine.default_sampling_params()
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 
@@ -62,7 +66,7 @@ class LLM:
         """
         items = self._normalise(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.engine.default_sampling_params()  # generation_config.json
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(items)
         else:

@@ -65,6 +65,7 @@ class LLMEngine:
         self.tokenizer = self._load_tokenizer(path)
         gen = _read_json(path / "generation_config.json")
         self.eos_token_ids = self._eos_ids(cfg, gen)
+        self.generation_defaults = self._generation_defaults(gen)
         self.dtype = _resolve_dtype(config.dtype, config.device, cfg.torch_dtype)
         self.max_model_len = self._max_model_len(cfg)
         t0 = time.perf_counter()
@@ -101,6 +102,20 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids.append(self.tokenizer.eos_token_id)
         return sorted({int(i) for i in ids})
+
+    @staticmethod
+    def _generation_defaults(gen: dict) -> dict:
+        """Sampling defaults from generation_config.json, used where a request sets nothing."""
+        out = {k: gen[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty") if k in gen}
+        if gen.get("do_sample") is False:
+            out["temperature"] = 0.0  # HF semantics: greedy whatever the temperature says
+        if out.get("top_k") == 0:
+            out["top_k"] = -1  # HF's "disabled"
+        return out
+
+    def default_sampling_params(self, **overrides) -> SamplingParams:
+        """SamplingParams with the checkpoint's generation_config.json defaults, then `overrides`."""
+        return SamplingParams(**{**self.generation_defaults, **overrides})
 
     def _max_model_len(self, cfg: ModelConfig) -> int:
         limit = cfg.max_position_embeddings

@@ -20,14 +20,13 @@ from typing import Any
 
 import psutil
 import torch
-import torch.nn.functional as F
 
 from strata.errors import ConfigError
 from strata.hardware.placement import default_threads
 
 logger = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: linear rates measured through Strata's kernel dispatch
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile")
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -186,12 +185,18 @@ def measure_mem_bandwidth(
 
 
 def measure_linear(weight: torch.Tensor, batch: int, repeats: int = 5) -> float:
-    """Seconds for one `F.linear(x, weight)` with `batch` rows of input (best of `repeats`)."""
+    """Seconds for one projection with `batch` rows of input (best of `repeats`).
+
+    Measured through Strata's own dispatch (kernels/linear.py), so the figures describe the
+    kernels Strata will run (e.g. the numba GEMV for fp32 on CPU), not torch's alone.
+    """
+    from strata.kernels.linear import linear
+
     if batch < 1 or repeats < 1:
         raise ConfigError(f"batch={batch}, repeats={repeats}: both must be >= 1")
     with torch.inference_mode():
         x = torch.randn(batch, weight.shape[1], dtype=weight.dtype, device=weight.device)
-        return _best_seconds(lambda: F.linear(x, weight), weight.device, repeats)
+        return _best_seconds(lambda: linear(x, weight), weight.device, repeats)
 
 
 def measure_gemm(device: str, dtype: torch.dtype, n: int, repeats: int = 5) -> float:
