@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from strata.kernels import cpu_norm
+from strata.kernels import cpu_gemv, cpu_norm
 from strata.kernels.linear import linear
 
 
@@ -112,6 +112,8 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj.bias is None and cpu_gemv.usable(x, self.gate_up_proj.weight):
+            return self.down_proj(cpu_gemv.gemv_swiglu(x, self.gate_up_proj.weight))
         gate_up = self.gate_up_proj(x)
         gate, up = gate_up[..., : self.intermediate], gate_up[..., self.intermediate :]
         return self.down_proj(F.silu(gate) * up)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from strata.kernels import cpu_attention
+from strata.kernels import cpu_attention, cpu_rope
 
 BACKENDS = ("torch", "sdpa", "cpu")
 
@@ -104,6 +104,20 @@ def _decode(q, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     ks, vs = gather_kv(kv_cache, meta.decode_block_tables)  # [B, L, kvh, d]
     out = attend(qd, ks.transpose(1, 2), vs.transpose(1, 2), meta.decode_mask, False, scale, meta.backend)
     return out.reshape(b, heads * head_dim)
+
+
+def fused_decode_usable(qkv: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> bool:
+    """All-decode step on the CPU backend: rotary, cache write and attention fuse (see cpu_rope)."""
+    return meta.backend == "cpu" and meta.num_prefill_tokens == 0 and cpu_rope.usable(qkv, kv_cache)
+
+
+def fused_decode_attention(
+    qkv: torch.Tensor, rope, kv_cache: torch.Tensor, meta: AttentionMetadata,
+    heads: int, kv_heads: int, scale: float,
+) -> torch.Tensor:
+    """Decode from the fused qkv projection: rotate + store (one kernel), then paged attention."""
+    q = cpu_rope.rope_and_store(qkv, rope, meta.slot_mapping, kv_cache, heads, kv_heads)
+    return cpu_attention.paged_decode(q, kv_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
 
 
 def paged_attention(

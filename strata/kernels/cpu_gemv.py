@@ -48,6 +48,27 @@ if numba is not None:
                     out[j, r] = acc
 
 
+    @njit(parallel=True, fastmath=True, cache=True)
+    def _gemv_swiglu(w, x, out, threads):  # pragma: no cover - compiled
+        # w = [gate; up] stacked by rows; out[j, r] = silu(gate_r . x_j) * (up_r . x_j)
+        half = w.shape[0] // 2
+        n_in = w.shape[1]
+        rows = x.shape[0]
+        per = (half + threads - 1) // threads
+        for t in prange(threads):
+            for r in range(t * per, min(half, (t + 1) * per)):
+                wg = w[r]
+                wu = w[r + half]
+                for j in range(rows):
+                    xj = x[j]
+                    g = np.float32(0.0)
+                    u = np.float32(0.0)
+                    for c in range(n_in):
+                        g += wg[c] * xj[c]
+                        u += wu[c] * xj[c]
+                    out[j, r] = g / (np.float32(1.0) + np.exp(-g)) * u
+
+
 def sync_threads() -> int:
     """Run numba kernels on as many threads as torch's intra-op pool (the placement decision)."""
     threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
@@ -64,6 +85,14 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     _gemv_rows(weight.numpy(), x.numpy(), out.numpy(), threads)
     if bias is not None:
         out += bias
+    return out
+
+
+def gemv_swiglu(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(x @ gate.T) * (x @ up.T) for gate_up = [gate; up] (no bias), one pass over the weight."""
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], gate_up.shape[0] // 2, dtype=torch.float32)
+    _gemv_swiglu(gate_up.numpy(), x.numpy(), out.numpy(), sync_threads())
     return out
 
 

@@ -43,3 +43,15 @@ def test_dispatch_falls_back_to_torch():
     out = linear(torch.randn(1, 8), wg)
     assert out.requires_grad
     torch.testing.assert_close(linear(many, w), F.linear(many, w))
+
+
+@pytest.mark.parametrize("rows", [1, 5, cpu_gemv.MAX_ROWS])
+@pytest.mark.parametrize("shape", [(2, 3), (96, 64), (3072, 576)])
+def test_gemv_swiglu_matches_torch(rows, shape):
+    g = torch.Generator().manual_seed(rows + shape[0])
+    w = torch.randn(*shape, generator=g) * 0.1
+    x = torch.randn(rows, shape[1], generator=g)
+    gate, up = F.linear(x, w).chunk(2, dim=-1)
+    with torch.inference_mode():
+        got = cpu_gemv.gemv_swiglu(x, w)
+    torch.testing.assert_close(got, F.silu(gate) * up, rtol=1e-5, atol=2e-7 * shape[1] + 1e-6)

@@ -15,7 +15,12 @@ from torch import nn
 
 from strata.graph.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rotary
 from strata.graph.model_config import ModelConfig
-from strata.kernels.attention import AttentionMetadata, paged_attention
+from strata.kernels.attention import (
+    AttentionMetadata,
+    fused_decode_attention,
+    fused_decode_usable,
+    paged_attention,
+)
 
 
 class Attention(nn.Module):
@@ -32,6 +37,9 @@ class Attention(nn.Module):
 
     def forward(self, x, rope, meta: AttentionMetadata | None, kv_cache) -> torch.Tensor:
         qkv = self.qkv_proj(x)
+        if meta is not None and self.q_norm is None and fused_decode_usable(qkv, kv_cache, meta):
+            out = fused_decode_attention(qkv, rope, kv_cache, meta, self.heads, self.kv_heads, self.scale)
+            return self.o_proj(out)
         lead = qkv.shape[:-1]
         if self.q_norm is None:
             # q and k are adjacent in the fused output: rotate both in one pass

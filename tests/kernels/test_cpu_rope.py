@@ -1,0 +1,31 @@
+"""The fused rotary + KV-cache write kernel against its torch twins (apply_rotary + write_kv)."""
+
+import pytest
+import torch
+
+from strata.graph.layers import RotaryEmbedding, apply_rotary
+from strata.kernels import cpu_rope
+from strata.kernels.attention import write_kv
+
+pytestmark = pytest.mark.skipif(not cpu_rope.available(), reason="numba not installed")
+
+
+@pytest.mark.parametrize("rows, heads, kv_heads, dim", [(1, 9, 3, 64), (5, 4, 1, 32), (16, 14, 2, 64), (2, 3, 3, 8)])
+def test_rope_and_store_matches_torch(rows, heads, kv_heads, dim):
+    g = torch.Generator().manual_seed(rows * heads + dim)
+    block, num_blocks = 4, 12
+    rotary = RotaryEmbedding(dim, 256, 10000.0, None)
+    positions = torch.randint(0, 256, (rows,), generator=g)
+    rope = rotary(positions, torch.float32)
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=g)
+    slots = torch.randperm(num_blocks * block, generator=g)[:rows]
+    got_cache = torch.zeros(2, num_blocks, block, kv_heads, dim)
+    with torch.inference_mode():
+        got_q = cpu_rope.rope_and_store(qkv, rope, slots, got_cache, heads, kv_heads)
+    qk = qkv[:, : (heads + kv_heads) * dim].view(rows, heads + kv_heads, dim)
+    rotated = apply_rotary(qk, rope)
+    v = qkv[:, (heads + kv_heads) * dim :].view(rows, kv_heads, dim)
+    ref_cache = torch.zeros_like(got_cache)
+    write_kv(ref_cache, rotated[:, heads:], v, slots)
+    torch.testing.assert_close(got_q, rotated[:, :heads], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got_cache, ref_cache, rtol=1e-6, atol=1e-6)
