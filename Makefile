@@ -20,7 +20,7 @@ install: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/strata generate --prompt "$(PROMPT)" --max-tokens 48 --temperature 0.8 --seed 0
-	$(VENV)/bin/strata bench latency --input-len 64 --output-len 64
+	$(VENV)/bin/strata bench latency --input-len 64 --output-len 64 --compare hf
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check strata tests

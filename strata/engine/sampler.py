@@ -53,7 +53,8 @@ class Sampler:
     def __init__(self, vocab_size: int, eos_token_ids: list[int], seed: int = 0) -> None:
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
-        self.generator = torch.Generator().manual_seed(seed)
+        self.seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}  # one per device (CPU, cuda:N)
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         dev = logits.device
@@ -89,7 +90,10 @@ class Sampler:
 
     def _noise(self, seqs: list[Sequence], shape, dev) -> torch.Tensor:
         """Exponential(1) noise; argmax(p / noise) is a sample from p."""
-        noise = torch.empty(shape, device=dev).exponential_(generator=self.generator)
+        gen = self._generators.get(dev)
+        if gen is None:
+            gen = self._generators[dev] = torch.Generator(device=dev).manual_seed(self.seed)
+        noise = torch.empty(shape, device=dev).exponential_(generator=gen)
         for i, s in enumerate(seqs):
             seed = s.request.params.seed
             if seed is not None:
