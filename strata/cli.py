@@ -31,6 +31,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--threads", type=int, default=None, help="compute threads (default: physical cores)")
     g.add_argument("--device", default="cpu")
+    g.add_argument("--quantization", default=None, choices=["int8", "int4"],
+                   help="weight-only quantisation of the dense projections at load (default: none)")
+    g.add_argument("--quantization-group-size", type=int, default=64, choices=[32, 64, 128],
+                   help="int4: input columns sharing one scale (default: 64)")
+    g.add_argument("--no-prefix-caching", action="store_true",
+                   help="do not share cached KV blocks between requests with equal prompt prefixes")
+    g.add_argument("--preemption-mode", default="auto", choices=["auto", "recompute", "swap"],
+                   help="when KV blocks run out: recompute, swap to host memory, or auto (cost model)")
+    g.add_argument("--swap-space", default=None,
+                   help="host KV pool for swapping, e.g. 4GiB (default: size of the KV cache, <= 4GiB)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -38,6 +48,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         dtype=args.dtype, max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory,
         block_size=args.block_size, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.threads, device=args.device,
+        quantization=getattr(args, "quantization", None),
+        quantization_group_size=getattr(args, "quantization_group_size", 64),
+        enable_prefix_caching=not getattr(args, "no_prefix_caching", False),
+        preemption_mode=args.preemption_mode, swap_space=args.swap_space,
     )
 
 

@@ -49,7 +49,12 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     num_threads: int | None = None
     attention_backend: str = "auto"  # auto | torch | sdpa | cpu
+    quantization: str | None = None  # None | int8 | int4: weight-only, quantised at load
+    quantization_group_size: int = 64  # int4: input columns per scale (32 | 64 | 128)
+    preemption_mode: str = "auto"  # auto (cost model) | recompute | swap
+    swap_space: int | str | None = None  # host KV pool; None = as big as the device KV cache, <= 4GiB
     seed: int = 0
+    enable_prefix_caching: bool = True  # share cached KV blocks of equal prompt prefixes
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"):
@@ -76,6 +81,24 @@ class EngineConfig:
         if self.attention_backend not in ("auto", "torch", "sdpa", "cpu"):
             raise ConfigError(
                 f"attention_backend: unknown {self.attention_backend!r}; choose auto, torch, sdpa or cpu"
+            )
+        if self.preemption_mode not in ("auto", "recompute", "swap"):
+            raise ConfigError(
+                f"preemption_mode: unknown {self.preemption_mode!r}; choose auto, recompute or swap"
+            )
+        if self.swap_space is not None:
+            self.swap_space = parse_bytes(self.swap_space, "swap_space")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ConfigError(f"enable_prefix_caching: must be True or False, got {self.enable_prefix_caching!r}")
+        if self.quantization in ("none", ""):
+            self.quantization = None
+        if self.quantization not in (None, "int8", "int4"):
+            raise ConfigError(
+                f"quantization: unknown {self.quantization!r}; choose int8 or int4 (or None for none)"
+            )
+        if self.quantization_group_size not in (32, 64, 128):
+            raise ConfigError(
+                f"quantization_group_size: must be 32, 64 or 128, got {self.quantization_group_size!r}"
             )
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError(f"num_threads: must be >= 1, got {self.num_threads}")

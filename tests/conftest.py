@@ -211,7 +211,7 @@ def llm_factory() -> Callable:
 
 
 def assert_engine_clean(llm) -> None:
-    """No request left, every block free, block tables consistent."""
+    """No request left, no block owned (each free, or cached by the prefix cache), tables consistent."""
     eng = llm.engine
     assert not eng.has_unfinished()
     eng.check_blocks()

@@ -4,7 +4,8 @@ Runs --batch random-token prompts of --input-len tokens together, greedy, ignori
 --output-len tokens each. Prefill time is the batch's time to first token; the remaining
 output-len - 1 tokens are decode steps. Decode streams every weight and each sequence's KV once
 per step, so achieved bandwidth = (weight bytes + mean KV bytes read per step) / step time, and
-MBU = that / this machine's memory bandwidth, measured in-process just before the runs. Prefill
+MBU = that / this machine's memory bandwidth, measured in-process just before the runs. With
+--quantization the weight bytes are the quantised ones (the engine's memory plan). Prefill
 FLOP/s is 2 x params x prompt tokens / prefill time (attention FLOPs not counted).
 
 With --compare hf, transformers runs the same prompts on the same weights, dtype and threads:
@@ -13,6 +14,7 @@ one forward over the prompts for prefill, then a plain greedy loop over a Dynami
 examples:
   strata bench latency                                      # demo model, batch 1, 128 in / 128 out
   strata bench latency --random-model smol-135m --dtype float32 --compare hf
+  strata bench latency --random-model qwen-0.5b --dtype float32 --quantization int4
   strata bench latency --model ./Qwen2.5-0.5B --batch 8 --input-len 512 --output-len 64 --json lat.json
 """
 
@@ -122,9 +124,16 @@ def main(args: argparse.Namespace) -> int:
         "dtype": str(eng.dtype).replace("torch.", ""), "device": args.device, "threads": eng.threads,
         "batch": args.batch, "input_len": args.input_len, "output_len": args.output_len,
         "warmup": args.warmup, "seed": args.seed, "weight_bytes": wbytes, "kv_bytes_per_token": kvtok,
+        "quantization": eng.config.quantization,
+        "quantization_group_size": eng.config.quantization_group_size if eng.config.quantization == "int4" else None,
     }
+    quant = ""
+    if eng.config.quantization is not None:
+        quant = f", {eng.config.quantization} weights"
+        if eng.config.quantization == "int4":
+            quant += f" (group {eng.config.quantization_group_size})"
     print(
-        f"model {info['model']} ({cfg.architecture}, {params / 1e6:.0f}M params), {info['dtype']}, "
+        f"model {info['model']} ({cfg.architecture}, {params / 1e6:.0f}M params), {info['dtype']}{quant}, "
         f"{args.device}, {eng.threads} threads\n"
         f"batch {args.batch} x input {args.input_len}, output {args.output_len} "
         f"({args.output_len - 1} decode steps), warmup {args.warmup}"
@@ -148,8 +157,10 @@ def main(args: argparse.Namespace) -> int:
 
     if args.compare == "hf":
         from strata.bench.hf_peer import hf_latency, load_hf_model
+        from strata.memory.planner import weight_bytes
 
         path, dtype, threads = eng.model_path, eng.dtype, eng.threads
+        hf_fig = dict(fig, weight_bytes=weight_bytes(cfg, dtype))  # transformers reads float weights
         del llm, eng
         gc.collect()  # free Strata's KV cache before loading the peer
         torch.set_num_threads(threads)
@@ -157,7 +168,7 @@ def main(args: argparse.Namespace) -> int:
         for w in warm:
             hf_latency(model, w, warm_len, args.device, progress=False)
         run = hf_latency(model, prompts, args.output_len, args.device)
-        results["hf"] = hf = figures(run.prefill_s, run.decode_s, args, **fig)
+        results["hf"] = hf = figures(run.prefill_s, run.decode_s, args, **hf_fig)
         results["ratio"] = r = {k: ratio(results["strata"][k], hf[k]) for k in _RATES}
         rows.append(_row("hf", hf))
         rows.append(["strata/hf"] + [""] + [f"{r[k]:.2f}x" for k in _RATES[:2]] + [""]

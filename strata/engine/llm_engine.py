@@ -24,9 +24,10 @@ from strata.errors import ConfigError, ModelLoadError, RequestError
 from strata.graph.loader import check_model_dir, load_model
 from strata.graph.model_config import ModelConfig
 from strata.hardware.placement import set_compute_threads
-from strata.memory.blocks import BlockManager
+from strata.memory.blocks import BlockManager, KVUsage
 from strata.memory.kv_cache import allocate_kv_cache
-from strata.memory.planner import plan_memory
+from strata.memory.planner import fmt_bytes, plan_memory
+from strata.memory.swap import HostBlockPool, KVSwapper, PreemptionCostModel
 
 logger = logging.getLogger(__name__)
 
@@ -71,15 +72,34 @@ class LLMEngine:
         t0 = time.perf_counter()
         self.model = load_model(path, self.dtype, config.device, self.max_model_len)
         logger.info("loaded %s (%s, %s) in %.2fs", path, cfg.architecture, self.dtype, time.perf_counter() - t0)
+        if config.quantization is not None:  # applied to the built model from outside (issue 4)
+            from strata.memory.quant import quantize_model
+
+            t0 = time.perf_counter()
+            quantize_model(self.model, config.quantization, config.quantization_group_size)
+            logger.info("quantized to %s in %.2fs", config.quantization, time.perf_counter() - t0)
         self.plan = plan_memory(
             cfg, self.dtype, config.block_size, self.max_model_len, config.max_num_seqs,
             config.kv_cache_memory, config.memory_fraction, config.device,
+            config.quantization, config.quantization_group_size,
         )
         self.kv_caches = allocate_kv_cache(cfg, self.plan.num_blocks, config.block_size, self.dtype, config.device)
-        self.block_manager = BlockManager(self.plan.num_blocks, config.block_size)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.block_manager = BlockManager(self.plan.num_blocks, config.block_size, config.enable_prefix_caching)
+        logger.info(
+            "KV cache reserved: %s (%d blocks of %d tokens); prefix caching %s",
+            fmt_bytes(self.plan.kv_cache_bytes), self.plan.num_blocks, config.block_size,
+            "on" if config.enable_prefix_caching else "off",
+        )
+        self.host_pool = self._host_pool()
+        self._cost_model: PreemptionCostModel | None = None
+        self.scheduler = Scheduler(
+            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+            self.host_pool, self._prefer_swap,
+        )
         backend = self._attention_backend()
         self.runner = ModelRunner(self.model, self.kv_caches, config.block_size, config.device, backend)
+        if self.host_pool is not None:
+            self.runner.swapper = KVSwapper(self.kv_caches, self.host_pool)
         self.sampler = Sampler(cfg.vocab_size, self.eos_token_ids, config.seed)
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
@@ -89,7 +109,7 @@ class LLMEngine:
     @staticmethod
     def _load_tokenizer(path: Path):
         if not (path / "tokenizer.json").is_file():
-            logger.warning("%s has no tokenizer.json: only token-id prompts will work", path)
+            logger.info("%s has no tokenizer.json: only token-id prompts will work", path)
             return None
         from strata.engine.tokenizer import Tokenizer
 
@@ -132,6 +152,44 @@ class LLMEngine:
             )
             want = cfg.sliding_window
         return want
+
+    def _host_pool(self) -> HostBlockPool | None:
+        """Swap space for preempted sequences (none in recompute mode)."""
+        cfg = self.config
+        if cfg.preemption_mode == "recompute":
+            return None
+        per_block = self.plan.kv_bytes_per_token * cfg.block_size
+        size = cfg.swap_space if cfg.swap_space is not None else min(self.plan.kv_cache_bytes, 4 * 2**30)
+        blocks = size // per_block
+        if blocks == 0:
+            if cfg.preemption_mode == "swap":
+                raise ConfigError(f"swap_space: {size} bytes hold no {per_block}-byte KV block; raise it")
+            return None
+        logger.info("swap space: %s = %d host blocks", fmt_bytes(blocks * per_block), blocks)
+        return HostBlockPool(self.model_config, blocks, cfg.block_size, self.dtype, pin=cfg.device.startswith("cuda"))
+
+    def _prefer_swap(self, seq: Sequence) -> bool:
+        """The preemption policy: swap mode always swaps; auto asks the cost model."""
+        if self.config.preemption_mode == "swap":
+            return True
+        if self._cost_model is None:
+            self._cost_model = self._build_cost_model()
+        return self._cost_model.prefer_swap(seq.num_computed_tokens)
+
+    def _build_cost_model(self) -> PreemptionCostModel:
+        """From the hardware profile: link = host<->device copy rate, compute = measured GEMM rate."""
+        from strata.hardware.probe import probe
+
+        hw = probe(self.config.device)
+        name = str(self.dtype).removeprefix("torch.")
+        gflops = hw.matmul_gflops.get(name) or hw.matmul_gflops.get("float32") or 1.0
+        # on CPU both pools are host memory: a copy reads and writes, so about half the bandwidth;
+        # on GPUs the host link (PCIe) is not in the profile yet: assume PCIe 4.0 x16 in practice
+        link = hw.mem_bandwidth_gbs / 2 if self.config.device == "cpu" else 25.0
+        rate = gflops * 1e9 / (2 * self.model_config.num_params())
+        model = PreemptionCostModel(self.plan.kv_bytes_per_token, link, rate)
+        logger.info("preemption cost model: link %.1f GB/s, recompute %.0f tok/s", link, rate)
+        return model
 
     def _attention_backend(self) -> str:
         """auto: the numba paged-decode kernel for fp32 on CPU when numba is present, else SDPA."""
@@ -328,7 +386,18 @@ class LLMEngine:
             num_preemptions=sum(s.num_preemptions for s in req.seqs),
         )
 
+    def kv_usage(self) -> KVUsage:
+        """KV bytes reserved vs owned, cached and free, and the bytes holding live tokens vs the
+        waste in partially filled last blocks (see BlockManager.kv_usage)."""
+        return self.block_manager.kv_usage(self.scheduler.running, self.plan.kv_bytes_per_token)
+
     def check_blocks(self) -> None:
         """Invariant check for tests: the block manager agrees with every live block table."""
-        tables = [s.block_table for r in self.requests.values() for s in r.seqs if s.status is not SeqStatus.FINISHED]
-        self.block_manager.check(tables)
+        live = [s for r in self.requests.values() for s in r.seqs if s.status is not SeqStatus.FINISHED]
+        self.block_manager.check([s.block_table for s in live])
+        if self.host_pool is not None:
+            parked = sum(len(s.host_blocks) for s in live)
+            if parked + self.host_pool.num_free != self.host_pool.num_blocks:
+                raise AssertionError(
+                    f"host pool: {parked} parked + {self.host_pool.num_free} free != {self.host_pool.num_blocks}"
+                )

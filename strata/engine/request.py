@@ -13,6 +13,7 @@ from strata.engine.sampling_params import SamplingParams
 class SeqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    SWAPPED = "swapped"  # preempted with its KV parked in the host pool
     FINISHED = "finished"
 
 
@@ -27,6 +28,9 @@ class Sequence:
         self.num_prompt_tokens = len(request.prompt_token_ids)
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
+        self.host_blocks: list[int] = []  # while swapped out: where its KV waits in host memory
+        self.block_hashes: list[int] = []  # prefix-hash chain of the full blocks (memory/blocks.py)
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at last admission
         self.status = SeqStatus.WAITING
         self.logprobs: list[dict[int, float]] = []
         self.detokenizer: Any = None

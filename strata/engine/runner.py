@@ -12,6 +12,7 @@ from strata.engine.scheduler import SchedulerOutput
 from strata.graph.models.llama import CausalLM
 from strata.kernels.attention import AttentionMetadata, PrefillSpan
 from strata.memory.kv_cache import copy_blocks
+from strata.memory.swap import KVSwapper
 
 
 class ModelRunner:
@@ -24,6 +25,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = torch.device(device)
         self.backend = attention_backend
+        self.swapper: KVSwapper | None = None  # set by the engine when swap space exists
 
     def _tensor(self, data, dtype=torch.long) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype, device=self.device)
@@ -91,6 +93,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput):
         """Run one step; returns (logits [rows, vocab] fp32, the sequence of each row)."""
+        if self.swapper is not None:
+            self.swapper.wait()  # last step's prefetches: those sequences run now
+            self.swapper.swap_out(out.swap_out)  # before the freed blocks are written again
+            self.swapper.start_swap_in(out.swap_in)  # overlaps this step's forward
         copy_blocks(self.kv_caches, out.block_copies)
         if not out.scheduled:
             return None, []

@@ -18,6 +18,12 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
 
+    def swiglu(self, x: torch.Tensor) -> torch.Tensor | None:
+        """silu(gate) * up for a [gate; up] weight in one pass, or None where no fused kernel applies."""
+        if self.bias is None and cpu_gemv.usable(x, self.weight):
+            return cpu_gemv.gemv_swiglu(x, self.weight)
+        return None
+
 
 class RMSNorm(nn.Module):
     """RMSNorm as in Llama; `forward(x, residual)` also adds the residual first (one pass less)."""
@@ -112,8 +118,9 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_proj.bias is None and cpu_gemv.usable(x, self.gate_up_proj.weight):
-            return self.down_proj(cpu_gemv.gemv_swiglu(x, self.gate_up_proj.weight))
+        fused = self.gate_up_proj.swiglu(x)  # Linear or a quantised stand-in (memory/quant.py)
+        if fused is not None:
+            return self.down_proj(fused)
         gate_up = self.gate_up_proj(x)
         gate, up = gate_up[..., : self.intermediate], gate_up[..., self.intermediate :]
         return self.down_proj(F.silu(gate) * up)

@@ -19,8 +19,25 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
     return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
 
 
-def weight_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    return cfg.num_params() * dtype.itemsize
+def weight_bytes(
+    cfg: ModelConfig, dtype: torch.dtype, quantization: str | None = None, group_size: int = 64
+) -> int:
+    """Bytes of the weights as held in memory; with `quantization` ("int8" | "int4") the dense
+    projections (q/k/v, o, gate/up, down, lm_head) take their quantised size (memory/quant.py),
+    everything else (norms, biases, an untied embedding) stays in `dtype`."""
+    if quantization is None:
+        return cfg.num_params() * dtype.itemsize
+    from strata.memory.quant import quantized_bytes
+
+    h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    mats = [
+        (d * (cfg.num_heads + 2 * cfg.num_kv_heads), h),  # qkv_proj
+        (h, cfg.num_heads * d),  # o_proj
+        (2 * inter, h),  # gate_up_proj
+        (h, inter),  # down_proj
+    ] * cfg.num_layers + [(cfg.vocab_size, h)]  # lm_head (the tied embedding shares it)
+    float_params = cfg.num_params() - sum(n * k for n, k in mats)
+    return float_params * dtype.itemsize + sum(quantized_bytes(quantization, n, k, group_size) for n, k in mats)
 
 
 def free_memory(device: str) -> int:
@@ -45,6 +62,7 @@ class MemoryPlan:
     block_size: int
     num_blocks: int
     max_model_len: int
+    quantization: str | None = None
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -59,8 +77,9 @@ class MemoryPlan:
         return self.tokens / self.max_model_len
 
     def summary(self) -> str:
+        quant = f" ({self.quantization})" if self.quantization else ""
         return (
-            f"weights {fmt_bytes(self.weight_bytes)}; KV {fmt_bytes(self.kv_bytes_per_token)}/token; "
+            f"weights {fmt_bytes(self.weight_bytes)}{quant}; KV {fmt_bytes(self.kv_bytes_per_token)}/token; "
             f"KV cache {fmt_bytes(self.kv_cache_bytes)} = {self.num_blocks} blocks x {self.block_size} "
             f"= {self.tokens} tokens = {self.max_len_sequences:.1f} sequences of max_model_len "
             f"{self.max_model_len}"
@@ -76,11 +95,15 @@ def plan_memory(
     kv_cache_memory: int | None,
     memory_fraction: float,
     device: str,
+    quantization: str | None = None,
+    group_size: int = 64,
 ) -> MemoryPlan:
     """Size the paged KV cache; error at start if one max_model_len sequence cannot fit.
 
     With an explicit `kv_cache_memory` that many bytes are used. Otherwise a fraction of free
-    memory, capped at what `max_num_seqs` sequences of `max_model_len` could ever use.
+    memory, capped at what `max_num_seqs` sequences of `max_model_len` could ever use. Free
+    memory is measured after the model is loaded (and quantised), so smaller weights leave more
+    of it to the KV cache; `quantization` only changes the weight bytes the plan reports.
     """
     per_token = kv_bytes_per_token(cfg, dtype)
     per_block = per_token * block_size
@@ -100,6 +123,9 @@ def plan_memory(
             f"needs {need_blocks} blocks ({fmt_bytes(need_blocks * per_block)} at "
             f"{fmt_bytes(per_token)}/token); raise kv_cache_memory or lower max_model_len"
         )
-    plan = MemoryPlan(weight_bytes(cfg, dtype), per_token, block_size, int(num_blocks), max_model_len)
+    plan = MemoryPlan(
+        weight_bytes(cfg, dtype, quantization, group_size), per_token, block_size, int(num_blocks),
+        max_model_len, quantization,
+    )
     logger.info("memory plan: %s", plan.summary())
     return plan

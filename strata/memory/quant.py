@@ -1,0 +1,214 @@
+"""Weight-only quantisation applied to a built model from outside (issue 4).
+
+`quantize_model(model, "int8" | "int4", group_size)` replaces the dense projections (qkv_proj,
+o_proj, gate_up_proj, down_proj in every layer, and lm_head) by QuantLinear modules holding the
+formats of kernels/cpu_quant.py, quantised from the loaded float weights. The model files do not
+know about it: a QuantLinear answers the same calls as graph.layers.Linear (forward, and `swiglu`
+for the fused gate/up epilogue).
+
+Tied embeddings: when lm_head shares the embedding, the embedding is replaced too, by a
+QuantEmbedding over the same quantised tensor that dequantises only the looked-up rows. Memory
+keeps one (quantised) copy, and the input embedding is exactly the tied output matrix, as it was
+in float. Untied embeddings stay float (a lookup reads a few rows, so quantising it would save
+memory only, at some accuracy).
+
+Norms, biases and an untied embedding stay in the model dtype. Everything the model keeps is
+moved into one fresh numpy arena (huge pages, as the loader does), so the float arena the loader
+filled is released and the memory it held shows up as free before the KV cache is sized.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+from torch import nn
+
+from strata.kernels import cpu_quant
+from strata.kernels.linear import quant_linear, quant_swiglu
+
+logger = logging.getLogger(__name__)
+
+METHODS = cpu_quant.METHODS
+GROUP_SIZES = cpu_quant.GROUP_SIZES
+PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
+
+
+def layer_format(method: str, in_features: int, group_size: int) -> tuple[str, int]:
+    """(method, group size) one projection uses: int4 falls back to int8 when no group fits."""
+    if method == "int4":
+        g = cpu_quant.int4_group_size(in_features, group_size)
+        if g is not None:
+            return "int4", g
+        return "int8", 0
+    return "int8", 0
+
+
+def quantized_bytes(method: str, out_features: int, in_features: int, group_size: int) -> int:
+    """Bytes of one quantised weight matrix (data + fp32 scales), as QuantLinear stores it."""
+    method, g = layer_format(method, in_features, group_size)
+    if method == "int8":
+        return out_features * in_features + 4 * out_features
+    return out_features * in_features // 2 + 4 * out_features * (in_features // g)
+
+
+class QuantLinear(nn.Module):
+    """A dense projection with a weight-only quantised weight (see kernels/cpu_quant.py)."""
+
+    def __init__(
+        self, method: str, qweight: torch.Tensor, scale: torch.Tensor, in_features: int,
+        group_size: int, bias: torch.Tensor | None,
+    ) -> None:
+        super().__init__()
+        self.method, self.in_features, self.group_size = method, in_features, group_size
+        self.out_features = qweight.shape[0]
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scale", scale)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self._kernel_key: tuple[int, int] | None = None
+        self._kernel_weights: tuple = ()
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, method: str, group_size: int) -> QuantLinear:
+        method, g = layer_format(method, linear.in_features, group_size)
+        w = linear.weight.detach()
+        if method == "int8":
+            qweight, scale = cpu_quant.quantize_int8(w)
+        else:
+            qweight, scale = cpu_quant.quantize_int4(w, g)
+        bias = None if linear.bias is None else linear.bias.detach()
+        return cls(method, qweight.to(w.device), scale.to(w.device), linear.in_features, g, bias)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The float weight this module computes with (torch reference twin)."""
+        if self.method == "int8":
+            return cpu_quant.dequantize_int8_ref(self.qweight, self.scale, dtype)
+        return cpu_quant.dequantize_int4_ref(self.qweight, self.scale, dtype)
+
+    def kernel_weights(self) -> tuple:
+        """(qweight, scale) as numpy views for the CPU kernels, cached until the buffers move."""
+        key = (self.qweight.data_ptr(), self.scale.data_ptr())
+        if key != self._kernel_key:
+            self._kernel_weights = (self.qweight.numpy(), self.scale.numpy())
+            self._kernel_key = key
+        return self._kernel_weights
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return quant_linear(x, self, self.bias)
+
+    def swiglu(self, x: torch.Tensor) -> torch.Tensor | None:
+        """silu(gate) * up in one pass over a [gate; up] weight, or None where no kernel applies."""
+        if self.bias is not None:
+            return None
+        return quant_swiglu(x, self)
+
+    def extra_repr(self) -> str:
+        g = f", group_size={self.group_size}" if self.method == "int4" else ""
+        return f"{self.method}, in_features={self.in_features}, out_features={self.out_features}{g}"
+
+
+class QuantEmbedding(nn.Module):
+    """Embedding lookup over a tied, quantised lm_head: dequantises only the rows looked up."""
+
+    def __init__(self, head: QuantLinear, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.head = [head]  # a list, so the head is not registered twice as a submodule
+        self.dtype = dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        head = self.head[0]
+        flat = ids.reshape(-1)
+        q = head.qweight.index_select(0, flat)
+        s = head.scale.index_select(0, flat)
+        if head.method == "int8":
+            rows = cpu_quant.dequantize_int8_ref(q, s, self.dtype)
+        else:
+            rows = cpu_quant.dequantize_int4_ref(q, s, self.dtype)
+        return rows.view(*ids.shape, head.in_features)
+
+
+def _to_arena(model: nn.Module, align: int = 64) -> None:
+    """Copy every parameter and persistent buffer into one fresh numpy-allocated arena."""
+    tensors: list[tuple[nn.Module, str, torch.Tensor, bool]] = []
+    seen: set[int] = set()
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            tensors.append((module, name, p, True))
+        for name, b in module.named_buffers(recurse=False):
+            if name not in module._non_persistent_buffers_set:
+                tensors.append((module, name, b, False))
+    unique = []
+    for _, _, t, _ in tensors:
+        if id(t) not in seen:
+            seen.add(id(t))
+            unique.append(t)
+    if any(t.device.type != "cpu" for t in unique):
+        return
+    sizes = [-(-t.numel() * t.element_size() // align) * align for t in unique]
+    arena = torch.from_numpy(np.empty(sum(sizes) + align, dtype=np.uint8))
+    offset = (-arena.data_ptr()) % align
+    moved: dict[int, torch.Tensor] = {}
+    for t, size in zip(unique, sizes):
+        nbytes = t.numel() * t.element_size()
+        view = arena[offset : offset + nbytes].view(t.dtype).view(t.shape)
+        view.copy_(t)
+        moved[id(t)] = view
+        offset += size
+    for module, name, t, is_param in tensors:
+        new = moved[id(t)]
+        if is_param:
+            setattr(module, name, nn.Parameter(new, requires_grad=False))
+        else:
+            module._buffers[name] = new
+
+
+def quantize_model(model: nn.Module, method: str, group_size: int = 64) -> nn.Module:
+    """Replace the model's dense projections by QuantLinear modules, in place; returns the model.
+
+    method: "int8" (per-output-channel scales) or "int4" (group-wise scales over `group_size`
+    input columns, two weights per byte). See the module docstring for tied embeddings.
+    """
+    if method not in METHODS:
+        raise ValueError(f"quantization: unknown method {method!r}; choose one of {', '.join(METHODS)}")
+    if group_size not in GROUP_SIZES:
+        raise ValueError(f"quantization_group_size: must be one of {GROUP_SIZES}, got {group_size}")
+    tied = (
+        isinstance(getattr(model, "embed_tokens", None), nn.Embedding)
+        and isinstance(getattr(model, "lm_head", None), nn.Linear)
+        and model.lm_head.weight is model.embed_tokens.weight
+    )
+    dtype = next(model.parameters()).dtype
+    fallback = 0
+    with torch.no_grad():
+        for module in list(model.modules()):
+            for child_name, child in list(module.named_children()):
+                if child_name in PROJECTIONS and isinstance(child, nn.Linear):
+                    q = QuantLinear.from_linear(child, method, group_size)
+                    fallback += q.method != method
+                    setattr(module, child_name, q)
+        if tied:
+            model.embed_tokens = QuantEmbedding(model.lm_head, dtype)
+    if fallback:
+        logger.warning("int4: %d projection(s) have no group size dividing their columns; kept int8", fallback)
+    _to_arena(model)
+    logger.info("quantized the dense projections to %s%s%s", method,
+                f" (group size {group_size})" if method == "int4" else "",
+                "; tied embedding dequantised per looked-up row" if tied else "")
+    return model
+
+
+def model_weight_bytes(model: nn.Module) -> int:
+    """Bytes the model's weights occupy (parameters + persistent buffers, shared ones once)."""
+    seen: set[int] = set()
+    total = 0
+    for module in model.modules():
+        items = list(module.named_parameters(recurse=False)) + [
+            (n, b) for n, b in module.named_buffers(recurse=False) if n not in module._non_persistent_buffers_set
+        ]
+        for _, t in items:
+            if id(t) not in seen:
+                seen.add(id(t))
+                total += t.numel() * t.element_size()
+    return total
+

@@ -1,0 +1,178 @@
+"""Weight-only int8/int4 formats and numba kernels against their torch twins (dequantise + F.linear)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from strata.kernels import cpu_quant
+from strata.kernels.linear import quant_linear, quant_swiglu
+
+needs_numba = pytest.mark.skipif(not cpu_quant.available(), reason="numba not installed")
+
+
+class _Q:
+    """A minimal stand-in for memory.quant.QuantLinear (what kernels.linear reads)."""
+
+    def __init__(self, w: torch.Tensor, method: str, group_size: int = 64) -> None:
+        self.method, self.in_features = method, w.shape[1]
+        self.group_size = cpu_quant.int4_group_size(w.shape[1], group_size) if method == "int4" else 0
+        if method == "int8":
+            self.qweight, self.scale = cpu_quant.quantize_int8(w)
+        else:
+            self.qweight, self.scale = cpu_quant.quantize_int4(w, self.group_size)
+
+    def kernel_weights(self):
+        return self.qweight, self.scale
+
+    def dequantize(self, dtype=torch.float32):
+        if self.method == "int8":
+            return cpu_quant.dequantize_int8_ref(self.qweight, self.scale, dtype)
+        return cpu_quant.dequantize_int4_ref(self.qweight, self.scale, dtype)
+
+
+def _tol(in_f: int) -> dict:
+    # fp32 summation order differs from F.linear's: error ~ eps * sqrt(n) * |x| * |w|
+    return dict(rtol=1e-5, atol=2e-7 * in_f + 1e-5)
+
+
+# --- formats ------------------------------------------------------------------------------------
+
+
+def test_int8_roundtrip_error_is_half_a_step():
+    w = torch.randn(37, 200) * torch.rand(37, 1) * 3
+    w[5] = 0.0  # an all-zero row must not divide by zero
+    q, s = cpu_quant.quantize_int8(w)
+    assert q.dtype == torch.int8 and s.dtype == torch.float32 and s.shape == (37,)
+    assert int(q.abs().max()) <= 127
+    err = (cpu_quant.dequantize_int8_ref(q, s) - w).abs()
+    assert bool((err <= s[:, None] / 2 + 1e-6).all())
+    assert bool((q[5] == 0).all())
+
+
+def test_kernels_refuse_mismatched_shapes():
+    q = _Q(torch.randn(8, 64), "int4")
+    with pytest.raises(ValueError, match="do not fit"):
+        cpu_quant.gemv("int4", torch.randn(1, 32), q.qweight, q.scale, q.group_size)
+    q8 = _Q(torch.randn(8, 64), "int8")
+    with pytest.raises(ValueError, match="do not fit"):
+        cpu_quant.gemv("int8", torch.randn(1, 65), q8.qweight, q8.scale, 0)
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_int4_roundtrip_error_is_at_most_a_step(group):
+    w = torch.randn(19, 256) * 2
+    q, s = cpu_quant.quantize_int4(w, group)
+    assert q.dtype == torch.uint8 and q.shape == (19, 128) and s.shape == (19, 256 // group)
+    deq = cpu_quant.dequantize_int4_ref(q, s)
+    step = s.abs().repeat_interleave(group, dim=1)
+    err = (deq - w).abs()
+    # half a step when rounding, one step only where +8 clamps to 7 on the far side of the extreme
+    assert bool((err <= step + 1e-6).all())
+    assert float(err.mean()) < float(step.mean()) / 3.5
+    # the largest-magnitude value of each group is exact
+    wg, dg = w.view(19, -1, group), deq.view(19, -1, group)
+    idx = wg.abs().argmax(2, keepdim=True)
+    torch.testing.assert_close(dg.gather(2, idx), wg.gather(2, idx), rtol=1e-6, atol=1e-6)
+
+
+def test_int4_nibble_layout():
+    # one row, one group of 4 columns: byte k holds column k (low) and column k + 2 (high)
+    packed = torch.tensor([[0x9A, 0x0F]], dtype=torch.uint8)  # cols: 0xA, 0xF | 0x9, 0x0
+    scale = torch.tensor([[0.5]])
+    got = cpu_quant.dequantize_int4_ref(packed, scale)
+    torch.testing.assert_close(got, torch.tensor([[(10 - 8) * 0.5, (15 - 8) * 0.5, (9 - 8) * 0.5, -4.0]]))
+    q, s = cpu_quant.quantize_int4(got, 4)
+    torch.testing.assert_close(cpu_quant.dequantize_int4_ref(q, s), got)
+
+
+def test_int4_group_size_rule():
+    assert cpu_quant.int4_group_size(4096, 128) == 128
+    assert cpu_quant.int4_group_size(576, 128) == 64  # smol-135m's hidden size
+    assert cpu_quant.int4_group_size(896, 128) == 128
+    assert cpu_quant.int4_group_size(1536, 32) == 32
+    assert cpu_quant.int4_group_size(100, 64) is None  # no group of >= 32 divides 100
+    with pytest.raises(ValueError, match="divide"):
+        cpu_quant.quantize_int4(torch.randn(2, 100), 64)
+
+
+# --- kernels vs torch twins ---------------------------------------------------------------------
+
+
+@needs_numba
+@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("rows", [1, 2, 5, cpu_quant.MAX_ROWS])
+@pytest.mark.parametrize("shape", [(1, 64), (7, 96), (96, 64), (333, 128), (1024, 576)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv_matches_reference(method, rows, shape, bias):
+    g = torch.Generator().manual_seed(rows * 1000 + shape[0])
+    out_f, in_f = shape
+    w = torch.randn(out_f, in_f, generator=g)
+    x = torch.randn(rows, in_f, generator=g)
+    b = torch.randn(out_f, generator=g) if bias else None
+    q = _Q(w, method)
+    with torch.inference_mode():
+        assert cpu_quant.usable(x, q.qweight)
+        got = cpu_quant.gemv(method, x, q.qweight, q.scale, q.group_size, b)
+    torch.testing.assert_close(got, F.linear(x, q.dequantize(), b), **_tol(in_f))
+
+
+@needs_numba
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_int4_group_sizes(group, rows):
+    w, x = torch.randn(160, 512), torch.randn(rows, 512)
+    q = _Q(w, "int4", group)
+    assert q.group_size == group
+    with torch.inference_mode():
+        got = cpu_quant.gemv("int4", x, q.qweight, q.scale, q.group_size)
+    torch.testing.assert_close(got, F.linear(x, q.dequantize()), **_tol(512))
+
+
+@needs_numba
+@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("rows", [1, 4, cpu_quant.MAX_ROWS])
+@pytest.mark.parametrize("shape", [(2, 64), (96, 64), (3072, 576)])
+def test_gemv_swiglu_matches_reference(method, rows, shape):
+    g = torch.Generator().manual_seed(rows + shape[0])
+    w = torch.randn(*shape, generator=g) * 0.1
+    x = torch.randn(rows, shape[1], generator=g)
+    q = _Q(w, method)
+    gate, up = F.linear(x, q.dequantize()).chunk(2, dim=-1)
+    with torch.inference_mode():
+        got = cpu_quant.gemv_swiglu(method, x, q.qweight, q.scale, q.group_size)
+        torch.testing.assert_close(got, F.silu(gate) * up, **_tol(shape[1]))
+        torch.testing.assert_close(quant_swiglu(x, q), got)
+
+
+@needs_numba
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_numba_dequantize_matches_reference(method):
+    w = torch.randn(257, 384)
+    q = _Q(w, method)
+    got = cpu_quant.dequantize(method, q.qweight, q.scale, 384, q.group_size)
+    torch.testing.assert_close(got, q.dequantize(), rtol=1e-6, atol=1e-6)
+
+
+# --- dispatch -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_dispatch_paths_agree(method):
+    w, b = torch.randn(80, 128), torch.randn(80)
+    q = _Q(w, method)
+    ref_w = q.dequantize()
+    with torch.inference_mode():
+        for rows in (1, cpu_quant.MAX_ROWS, cpu_quant.MAX_ROWS + 1, 100):  # GEMV, then dequant + GEMM
+            x = torch.randn(rows, 128)
+            torch.testing.assert_close(quant_linear(x, q, b), F.linear(x, ref_w, b), **_tol(128))
+        x3 = torch.randn(2, 7, 128)  # the plain causal forward's [B, L, H]
+        assert quant_linear(x3, q).shape == (2, 7, 80)
+        torch.testing.assert_close(quant_linear(x3, q), F.linear(x3, ref_w), **_tol(128))
+        xb = torch.randn(3, 128, dtype=torch.bfloat16)  # not the kernel's dtype: torch twin
+        assert not cpu_quant.usable(xb, q.qweight)
+        torch.testing.assert_close(quant_linear(xb, q), F.linear(xb, q.dequantize(torch.bfloat16)))
+        assert quant_swiglu(torch.randn(cpu_quant.MAX_ROWS + 1, 128), q) is None
+    xg = torch.randn(2, 128, requires_grad=True)  # autograd flows through the torch path
+    out = quant_linear(xg, q)
+    out.sum().backward()
+    torch.testing.assert_close(xg.grad, ref_w.sum(0).expand(2, -1), rtol=1e-5, atol=1e-5)
