@@ -98,11 +98,25 @@ def main(args: argparse.Namespace) -> int:
 
     warm = [prompts[0][:8]]
     llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), use_tqdm=False)
+    kv_samples: list[tuple[float, float]] = []  # per step: (waste, live-token bytes) / reserved
+
+    def sample_kv(engine) -> None:
+        if engine.scheduler.running:
+            u = engine.kv_usage()
+            kv_samples.append((u.waste_bytes / u.reserved_bytes, u.token_bytes / u.reserved_bytes))
+
+    llm.engine.step_observers.append(sample_kv)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=True)
     elapsed = time.perf_counter() - t0
+    llm.engine.step_observers.remove(sample_kv)
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
     results = {"strata": _figures(len(outs), elapsed, prompt_tokens, produced)}
+    if kv_samples:
+        waste = [w for w, _ in kv_samples]
+        results["strata"]["kv_waste_mean_of_reserved"] = sum(waste) / len(waste)
+        results["strata"]["kv_waste_max_of_reserved"] = max(waste)
+        results["strata"]["kv_live_mean_of_reserved"] = sum(t for _, t in kv_samples) / len(kv_samples)
     rows = [_row("strata", results["strata"])]
 
     if args.compare == "hf":
@@ -131,5 +145,10 @@ def main(args: argparse.Namespace) -> int:
 
     print()
     print_table(["engine", "requests", "elapsed s", "requests/s", "output tok/s", "total tok/s"], rows)
+    if kv_samples:
+        st = results["strata"]
+        print(f"strata KV cache over the run: live tokens {st['kv_live_mean_of_reserved']:.1%} of reserved "
+              f"bytes on average; waste in partially filled blocks {st['kv_waste_mean_of_reserved']:.2%} "
+              f"mean, {st['kv_waste_max_of_reserved']:.2%} max")
     write_json(args.json, {**info, **results})
     return 0

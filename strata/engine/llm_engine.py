@@ -102,6 +102,7 @@ class LLMEngine:
             self.runner.swapper = KVSwapper(self.kv_caches, self.host_pool)
         self.sampler = Sampler(cfg.vocab_size, self.eos_token_ids, config.seed)
         self.requests: dict[str, Request] = {}
+        self.step_observers: list = []  # callables(engine) run after every step (benchmarks, metrics)
         self._seq_ids = itertools.count()
         self.num_steps = 0
 
@@ -288,6 +289,8 @@ class LLMEngine:
             for seq, tok, lp in zip(seqs, sampled.token_ids, sampled.logprobs):
                 self._append(seq, tok, lp, now)
                 touched[seq.request.request_id] = seq.request
+        for observe in self.step_observers:
+            observe(self)
         outputs = []
         for req in touched.values():
             if req.finished:
