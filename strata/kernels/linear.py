@@ -35,8 +35,8 @@ class QuantWeight(Protocol):
 def quant_linear(x: torch.Tensor, q: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ W.T (+ bias) for a weight-only quantised W (formats in kernels/cpu_quant.py).
 
-    fp32 on CPU: the numba GEMV up to cpu_quant.MAX_ROWS rows, else dequantise (numba) and
-    torch's fp32 GEMM. Anything else (other dtypes or devices, autograd) dequantises with the
+    fp32 on CPU: the numba GEMV up to cpu_quant.MAX_ROWS rows, else tile-wise dequantisation
+    (numba) and torch's fp32 GEMM. Anything else (other dtypes or devices, autograd) dequantises with the
     torch reference and calls F.linear.
     """
     if x.dim() == 2 and x.shape[0] <= cpu_quant.MAX_ROWS and cpu_quant.usable(x, q.qweight):
@@ -49,7 +49,7 @@ def quant_linear(x: torch.Tensor, q: QuantWeight, bias: torch.Tensor | None = No
             out = cpu_quant.gemv(q.method, x2, w, s, q.group_size, bias)
         else:
             w, s = q.kernel_weights()
-            out = F.linear(x2, cpu_quant.dequantize(q.method, w, s, q.in_features, q.group_size), bias)
+            out = cpu_quant.matmul(q.method, x2, w, s, q.group_size, bias)
     else:
         out = F.linear(x2, q.dequantize(x.dtype), bias)
     return out.view(*x.shape[:-1], out.shape[-1])

@@ -73,10 +73,16 @@ class QuantLinear(nn.Module):
     def from_linear(cls, linear: nn.Linear, method: str, group_size: int) -> QuantLinear:
         method, g = layer_format(method, linear.in_features, group_size)
         w = linear.weight.detach()
-        if method == "int8":
-            qweight, scale = cpu_quant.quantize_int8(w)
-        else:
-            qweight, scale = cpu_quant.quantize_int4(w, g)
+        # in row chunks: the float temporaries of a whole vocabulary-sized lm_head would add
+        # ~2x its fp32 size to peak memory (and stay in the heap afterwards)
+        step = max(1, (1 << 22) // max(1, w.shape[1]))
+        parts = [
+            cpu_quant.quantize_int8(w[i : i + step]) if method == "int8"
+            else cpu_quant.quantize_int4(w[i : i + step], g)
+            for i in range(0, w.shape[0], step)
+        ]
+        qweight = torch.cat([q for q, _ in parts])
+        scale = torch.cat([s for _, s in parts])
         bias = None if linear.bias is None else linear.bias.detach()
         return cls(method, qweight.to(w.device), scale.to(w.device), linear.in_features, g, bias)
 
@@ -163,6 +169,17 @@ def _to_arena(model: nn.Module, align: int = 64) -> None:
             module._buffers[name] = new
 
 
+def _release_heap() -> None:
+    """Hand the quantisation temporaries back to the OS (glibc keeps freed heap otherwise: ~0.4
+    GiB for qwen-0.5b), so free memory, and with it the KV cache, is measured without them."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 def quantize_model(model: nn.Module, method: str, group_size: int = 64) -> nn.Module:
     """Replace the model's dense projections by QuantLinear modules, in place; returns the model.
 
@@ -192,6 +209,7 @@ def quantize_model(model: nn.Module, method: str, group_size: int = 64) -> nn.Mo
     if fallback:
         logger.warning("int4: %d projection(s) have no group size dividing their columns; kept int8", fallback)
     _to_arena(model)
+    _release_heap()
     logger.info("quantized the dense projections to %s%s%s", method,
                 f" (group size {group_size})" if method == "int4" else "",
                 "; tied embedding dequantised per looked-up row" if tied else "")

@@ -117,6 +117,18 @@ def test_gemv_matches_reference(method, rows, shape, bias):
 
 
 @needs_numba
+@pytest.mark.parametrize("in_f", [1, 15, 17, 70])
+def test_int8_columns_past_the_vector_steps(in_f):
+    w, x = torch.randn(33, in_f), torch.randn(2, in_f)
+    q = _Q(w, "int8")
+    with torch.inference_mode():
+        torch.testing.assert_close(cpu_quant.gemv("int8", x, q.qweight, q.scale, 0), F.linear(x, q.dequantize()), **_tol(in_f))
+        gate, up = F.linear(x, q.dequantize()[:32]).chunk(2, dim=-1)
+        got = cpu_quant.gemv_swiglu("int8", x, q.qweight[:32], q.scale[:32], 0)
+        torch.testing.assert_close(got, F.silu(gate) * up, **_tol(in_f))
+
+
+@needs_numba
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("rows", [1, 3])
 def test_int4_group_sizes(group, rows):
@@ -142,6 +154,17 @@ def test_gemv_swiglu_matches_reference(method, rows, shape):
         got = cpu_quant.gemv_swiglu(method, x, q.qweight, q.scale, q.group_size)
         torch.testing.assert_close(got, F.silu(gate) * up, **_tol(shape[1]))
         torch.testing.assert_close(quant_swiglu(x, q), got)
+
+
+@needs_numba
+@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("shape", [(17, 64), (2100, 64), (300, 4096)])  # one tile, several, short tiles
+def test_tiled_matmul_matches_reference(method, shape):
+    w, x, b = torch.randn(*shape), torch.randn(40, shape[1]), torch.randn(shape[0])
+    q = _Q(w, method)
+    got = cpu_quant.matmul(method, x, q.qweight, q.scale, q.group_size, b)
+    assert got.is_contiguous()
+    torch.testing.assert_close(got, F.linear(x, q.dequantize(), b), **_tol(shape[1]))
 
 
 @needs_numba
