@@ -3,9 +3,10 @@
 Each step has a token budget (max_num_batched_tokens). Running sequences go first (decodes take
 one token, unfinished prefills take a chunk), then waiting sequences are admitted FCFS while the
 budget, max_num_seqs and free blocks allow. When a running sequence needs a block and none is
-free, the most recently admitted sequence is preempted by recompute: its blocks are freed and it
-returns to the head of the queue, to re-prefill prompt + output later. The scheduler never
-touches tensors.
+free, the most recently admitted sequence is preempted: either by recompute (its blocks are freed
+and it returns to the head of the queue, to re-prefill prompt + output later) or by swap (its
+blocks are copied to the host pool and brought back, one step ahead, before new admissions). The
+scheduler never touches tensors: it records block copies for the runner.
 
 Prefix caching: a sequence admitted with no computed tokens first takes the longest run of its
 full blocks that the block manager has cached, and starts computing after them. Only blocks that
