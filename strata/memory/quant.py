@@ -2,7 +2,7 @@
 
 `quantize_model(model, "int8" | "int4", group_size)` replaces the dense projections (qkv_proj,
 o_proj, gate_up_proj, down_proj in every layer, and lm_head) by QuantLinear modules holding the
-formats of kernels/cpu_quant.py, quantised from the loaded float weights. The model files do not
+formats of kernels/quant_formats.py, quantised from the loaded float weights. The model files do not
 know about it: a QuantLinear answers the same calls as graph.layers.Linear (forward, and `swiglu`
 for the fused gate/up epilogue).
 
@@ -25,20 +25,20 @@ import numpy as np
 import torch
 from torch import nn
 
-from strata.kernels import cpu_quant
+from strata.kernels import quant_formats
 from strata.kernels.linear import quant_linear, quant_swiglu
 
 logger = logging.getLogger(__name__)
 
-METHODS = cpu_quant.METHODS
-GROUP_SIZES = cpu_quant.GROUP_SIZES
+METHODS = quant_formats.METHODS
+GROUP_SIZES = quant_formats.GROUP_SIZES
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
 
 
 def layer_format(method: str, in_features: int, group_size: int) -> tuple[str, int]:
     """(method, group size) one projection uses: int4 falls back to int8 when no group fits."""
     if method == "int4":
-        g = cpu_quant.int4_group_size(in_features, group_size)
+        g = quant_formats.int4_group_size(in_features, group_size)
         if g is not None:
             return "int4", g
         return "int8", 0
@@ -54,7 +54,7 @@ def quantized_bytes(method: str, out_features: int, in_features: int, group_size
 
 
 class QuantLinear(nn.Module):
-    """A dense projection with a weight-only quantised weight (see kernels/cpu_quant.py)."""
+    """A dense projection with a weight-only quantised weight (kernels/quant_formats.py)."""
 
     def __init__(
         self, method: str, qweight: torch.Tensor, scale: torch.Tensor, in_features: int,
@@ -77,8 +77,8 @@ class QuantLinear(nn.Module):
         # ~2x its fp32 size to peak memory (and stay in the heap afterwards)
         step = max(1, (1 << 22) // max(1, w.shape[1]))
         parts = [
-            cpu_quant.quantize_int8(w[i : i + step]) if method == "int8"
-            else cpu_quant.quantize_int4(w[i : i + step], g)
+            quant_formats.quantize_int8(w[i : i + step]) if method == "int8"
+            else quant_formats.quantize_int4(w[i : i + step], g)
             for i in range(0, w.shape[0], step)
         ]
         qweight = torch.cat([q for q, _ in parts])
@@ -89,8 +89,8 @@ class QuantLinear(nn.Module):
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float weight this module computes with (torch reference twin)."""
         if self.method == "int8":
-            return cpu_quant.dequantize_int8_ref(self.qweight, self.scale, dtype)
-        return cpu_quant.dequantize_int4_ref(self.qweight, self.scale, dtype)
+            return quant_formats.dequantize_int8_ref(self.qweight, self.scale, dtype)
+        return quant_formats.dequantize_int4_ref(self.qweight, self.scale, dtype)
 
     def kernel_weights(self) -> tuple:
         """(qweight, scale) as numpy views for the CPU kernels, cached until the buffers move."""
@@ -128,9 +128,9 @@ class QuantEmbedding(nn.Module):
         q = head.qweight.index_select(0, flat)
         s = head.scale.index_select(0, flat)
         if head.method == "int8":
-            rows = cpu_quant.dequantize_int8_ref(q, s, self.dtype)
+            rows = quant_formats.dequantize_int8_ref(q, s, self.dtype)
         else:
-            rows = cpu_quant.dequantize_int4_ref(q, s, self.dtype)
+            rows = quant_formats.dequantize_int4_ref(q, s, self.dtype)
         return rows.view(*ids.shape, head.in_features)
 
 

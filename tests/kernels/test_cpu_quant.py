@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from strata.kernels import cpu_quant
+from strata.kernels import cpu_quant, quant_formats
 from strata.kernels.linear import quant_linear, quant_swiglu
 
 needs_numba = pytest.mark.skipif(not cpu_quant.available(), reason="numba not installed")
@@ -15,19 +15,19 @@ class _Q:
 
     def __init__(self, w: torch.Tensor, method: str, group_size: int = 64) -> None:
         self.method, self.in_features = method, w.shape[1]
-        self.group_size = cpu_quant.int4_group_size(w.shape[1], group_size) if method == "int4" else 0
+        self.group_size = quant_formats.int4_group_size(w.shape[1], group_size) if method == "int4" else 0
         if method == "int8":
-            self.qweight, self.scale = cpu_quant.quantize_int8(w)
+            self.qweight, self.scale = quant_formats.quantize_int8(w)
         else:
-            self.qweight, self.scale = cpu_quant.quantize_int4(w, self.group_size)
+            self.qweight, self.scale = quant_formats.quantize_int4(w, self.group_size)
 
     def kernel_weights(self):
         return self.qweight, self.scale
 
     def dequantize(self, dtype=torch.float32):
         if self.method == "int8":
-            return cpu_quant.dequantize_int8_ref(self.qweight, self.scale, dtype)
-        return cpu_quant.dequantize_int4_ref(self.qweight, self.scale, dtype)
+            return quant_formats.dequantize_int8_ref(self.qweight, self.scale, dtype)
+        return quant_formats.dequantize_int4_ref(self.qweight, self.scale, dtype)
 
 
 def _tol(in_f: int) -> dict:
@@ -41,10 +41,10 @@ def _tol(in_f: int) -> dict:
 def test_int8_roundtrip_error_is_half_a_step():
     w = torch.randn(37, 200) * torch.rand(37, 1) * 3
     w[5] = 0.0  # an all-zero row must not divide by zero
-    q, s = cpu_quant.quantize_int8(w)
+    q, s = quant_formats.quantize_int8(w)
     assert q.dtype == torch.int8 and s.dtype == torch.float32 and s.shape == (37,)
     assert int(q.abs().max()) <= 127
-    err = (cpu_quant.dequantize_int8_ref(q, s) - w).abs()
+    err = (quant_formats.dequantize_int8_ref(q, s) - w).abs()
     assert bool((err <= s[:, None] / 2 + 1e-6).all())
     assert bool((q[5] == 0).all())
 
@@ -61,9 +61,9 @@ def test_kernels_refuse_mismatched_shapes():
 @pytest.mark.parametrize("group", [32, 64, 128])
 def test_int4_roundtrip_error_is_at_most_a_step(group):
     w = torch.randn(19, 256) * 2
-    q, s = cpu_quant.quantize_int4(w, group)
+    q, s = quant_formats.quantize_int4(w, group)
     assert q.dtype == torch.uint8 and q.shape == (19, 128) and s.shape == (19, 256 // group)
-    deq = cpu_quant.dequantize_int4_ref(q, s)
+    deq = quant_formats.dequantize_int4_ref(q, s)
     step = s.abs().repeat_interleave(group, dim=1)
     err = (deq - w).abs()
     # half a step when rounding, one step only where +8 clamps to 7 on the far side of the extreme
@@ -79,20 +79,20 @@ def test_int4_nibble_layout():
     # one row, one group of 4 columns: byte k holds column k (low) and column k + 2 (high)
     packed = torch.tensor([[0x9A, 0x0F]], dtype=torch.uint8)  # cols: 0xA, 0xF | 0x9, 0x0
     scale = torch.tensor([[0.5]])
-    got = cpu_quant.dequantize_int4_ref(packed, scale)
+    got = quant_formats.dequantize_int4_ref(packed, scale)
     torch.testing.assert_close(got, torch.tensor([[(10 - 8) * 0.5, (15 - 8) * 0.5, (9 - 8) * 0.5, -4.0]]))
-    q, s = cpu_quant.quantize_int4(got, 4)
-    torch.testing.assert_close(cpu_quant.dequantize_int4_ref(q, s), got)
+    q, s = quant_formats.quantize_int4(got, 4)
+    torch.testing.assert_close(quant_formats.dequantize_int4_ref(q, s), got)
 
 
 def test_int4_group_size_rule():
-    assert cpu_quant.int4_group_size(4096, 128) == 128
-    assert cpu_quant.int4_group_size(576, 128) == 64  # smol-135m's hidden size
-    assert cpu_quant.int4_group_size(896, 128) == 128
-    assert cpu_quant.int4_group_size(1536, 32) == 32
-    assert cpu_quant.int4_group_size(100, 64) is None  # no group of >= 32 divides 100
+    assert quant_formats.int4_group_size(4096, 128) == 128
+    assert quant_formats.int4_group_size(576, 128) == 64  # smol-135m's hidden size
+    assert quant_formats.int4_group_size(896, 128) == 128
+    assert quant_formats.int4_group_size(1536, 32) == 32
+    assert quant_formats.int4_group_size(100, 64) is None  # no group of >= 32 divides 100
     with pytest.raises(ValueError, match="divide"):
-        cpu_quant.quantize_int4(torch.randn(2, 100), 64)
+        quant_formats.quantize_int4(torch.randn(2, 100), 64)
 
 
 # --- kernels vs torch twins ---------------------------------------------------------------------

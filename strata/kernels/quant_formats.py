@@ -1,0 +1,82 @@
+"""Weight-only int8 / int4 storage formats and their torch reference twins.
+
+- int8: `qweight` int8 [out, in], `scale` fp32 [out]; symmetric per output channel,
+  w ~= qweight * scale with qweight in [-127, 127].
+- int4: `qweight` uint8 [out, in / 2], `scale` fp32 [out, in / group_size]; symmetric per group of
+  `group_size` input columns, w ~= (q - 8) * scale with q in [0, 15]. Two nibbles per byte, laid
+  out per group: byte k of a group of L columns holds column k (low nibble) and column k + L/2
+  (high nibble), so a kernel unpacks a run of bytes into two contiguous runs of columns (no
+  shuffles). group_size divides the columns (see int4_group_size), so all groups are full.
+  As in llama.cpp's q4_0, the scale maps the group's largest-magnitude value to -8 exactly, so
+  all 16 levels are used.
+
+Quantised once, at load, from the checkpoint's float weights. The dequantize_*_ref functions are
+the reference twins of the CPU kernels in cpu_quant.py (dequantize, then F.linear).
+"""
+
+from __future__ import annotations
+
+import torch
+
+METHODS = ("int8", "int4")
+GROUP_SIZES = (32, 64, 128)
+
+
+def int4_group_size(in_features: int, group_size: int) -> int | None:
+    """The group size a layer with `in_features` columns uses: `group_size`, halved until it
+    divides the columns (smol-135m's 576 columns take 64 when 128 is asked), never below 32;
+    None when no such size divides them (that layer then stays int8)."""
+    g = group_size
+    while g > 32 and in_features % g:
+        g //= 2
+    return g if in_features % g == 0 else None
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [out, in] (any float dtype) -> (int8 [out, in], fp32 scale [out])."""
+    w = w.detach().float()
+    amax = w.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def _int4_perm(in_features: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Columns held by the low and the high nibbles of the packed bytes, in byte order."""
+    half = group_size // 2
+    base = torch.arange(0, in_features, group_size)[:, None]
+    lo = (base + torch.arange(half)).reshape(-1)
+    return lo, lo + half
+
+
+def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [out, in] -> (packed uint8 [out, in / 2], fp32 scale [out, in / group_size])."""
+    n_out, n_in = w.shape
+    if group_size % 2 or n_in % group_size:
+        raise ValueError(
+            f"int4: group_size {group_size} must be even and divide in_features {n_in}"
+        )
+    wg = w.detach().float().view(n_out, n_in // group_size, group_size)
+    idx = wg.abs().argmax(dim=2, keepdim=True)
+    extreme = wg.gather(2, idx).squeeze(2)  # the signed value of largest magnitude
+    scale = torch.where(extreme != 0, extreme / -8.0, torch.ones_like(extreme))
+    q = torch.round(wg / scale[..., None]).add_(8).clamp_(0, 15).to(torch.uint8).view(n_out, n_in)
+    lo, hi = _int4_perm(n_in, group_size)
+    packed = q[:, lo] | (q[:, hi] << 4)
+    return packed.contiguous(), scale.contiguous()
+
+
+def dequantize_int8_ref(
+    qweight: torch.Tensor, scale: torch.Tensor, dtype=torch.float32
+) -> torch.Tensor:
+    return (qweight.to(torch.float32) * scale[:, None]).to(dtype)
+
+
+def dequantize_int4_ref(
+    qweight: torch.Tensor, scale: torch.Tensor, dtype=torch.float32
+) -> torch.Tensor:
+    """The float weight [out, in] that the int4 kernels compute with (any device)."""
+    n_out, ng = scale.shape
+    packed = qweight.view(n_out, ng, -1)
+    q = torch.cat(((packed & 15), (packed >> 4)), dim=2).to(torch.float32)
+    return ((q - 8.0) * scale[..., None]).view(n_out, -1).to(dtype)
