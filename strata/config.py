@@ -2,10 +2,27 @@
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
+from pathlib import Path
+
+import torch
 
 from strata.errors import ConfigError
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+def cache_root() -> Path:
+    """Strata's cache directory (demo model, random checkpoints, hardware profile):
+    $STRATA_CACHE, else ~/.cache/strata."""
+    env = os.environ.get("STRATA_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "strata"
 
 _SIZE_UNITS = {
     "": 1, "b": 1,

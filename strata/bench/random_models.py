@@ -7,7 +7,6 @@ model.safetensors) means Strata and the peers (transformers, llama.cpp) load the
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -15,6 +14,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from strata.config import cache_root
 from strata.errors import ConfigError
 
 SHAPES: dict[str, dict] = {
@@ -40,10 +40,6 @@ SHAPES: dict[str, dict] = {
         "max_position_embeddings": 2048, "bos_token_id": 1, "eos_token_id": 2,
     },
 }
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("STRATA_CACHE") or Path.home() / ".cache" / "strata")
 
 
 def random_state_dict(cfg: dict, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -79,7 +75,7 @@ def random_model_path(shape: str, seed: int = 0) -> Path:
     """Directory of a random-weight checkpoint of `shape`, created once under the cache dir."""
     if shape not in SHAPES:
         raise ConfigError(f"--random-model: unknown shape {shape!r}; choose one of {', '.join(SHAPES)}")
-    out = cache_dir() / f"random-{shape}-s{seed}"
+    out = cache_root() / f"random-{shape}-s{seed}"
     if (out / "model.safetensors").is_file():
         return out
     cfg = dict(SHAPES[shape], torch_dtype="float32")

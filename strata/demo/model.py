@@ -21,6 +21,7 @@ import tokenizers
 import torch
 from safetensors.torch import save_file
 
+from strata.config import cache_root
 from strata.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
@@ -42,12 +43,6 @@ ARCHITECTURE: dict[str, Any] = {
 }
 PACKAGE_FILES = ("tokenizer.json", "tokenizer_config.json")
 CHECKPOINT_FILES = ("config.json", "generation_config.json", "model.safetensors", *PACKAGE_FILES)
-
-
-def cache_root() -> Path:
-    """Strata's cache directory: $STRATA_CACHE, else ~/.cache/strata."""
-    env = os.environ.get("STRATA_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "strata"
 
 
 def _package_file(name: str) -> bytes:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from strata.config import EngineConfig
+from strata.config import DTYPES, EngineConfig
 from strata.engine.request import CompletionOutput, Request, RequestOutput, SeqStatus, Sequence
 from strata.engine.runner import ModelRunner
 from strata.engine.sampler import Sampler
@@ -31,12 +31,11 @@ from strata.memory.swap import HostBlockPool, KVSwapper, PreemptionCostModel
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _resolve_dtype(name: str, device: str, checkpoint: torch.dtype) -> torch.dtype:
     if name != "auto":
-        return _DTYPES[name]
+        return DTYPES[name]
     from strata.hardware.probe import auto_dtype
 
     return auto_dtype(device, checkpoint)

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from strata.config import DTYPES
 from strata.errors import ModelLoadError
 
 # architecture -> family flags; every family is a Llama-shaped decoder with small differences.
@@ -19,7 +20,6 @@ SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool]] = {
     "Qwen3ForCausalLM": {"qkv_bias": False, "qk_norm": True},
 }
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -102,7 +102,7 @@ class ModelConfig:
             mlp_bias=bool(d.get("mlp_bias", False)),
             qk_norm=flags["qk_norm"],
             sliding_window=int(sliding) if sliding else None,
-            torch_dtype=_DTYPES.get(str(dtype_name).replace("torch.", ""), torch.float32),
+            torch_dtype=DTYPES.get(str(dtype_name).replace("torch.", ""), torch.float32),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )

@@ -21,6 +21,7 @@ from typing import Any
 import psutil
 import torch
 
+from strata.config import DTYPES, cache_root
 from strata.errors import ConfigError
 from strata.hardware.placement import default_threads
 
@@ -28,11 +29,6 @@ logger = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 2  # 2: linear rates measured through Strata's kernel dispatch
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile")
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
 CPU_LINEAR_SHAPE = (16384, 4096)  # fp32 256 MiB, bf16 128 MiB: well past L3 (even 2 CCDs)
 CUDA_LINEAR_SHAPE = (16384, 8192)  # bf16 256 MiB: past a GPU's L2
 CUDA_GEMM_SIZE = 8192
@@ -124,9 +120,8 @@ def _resolve_device(device: str) -> torch.device:
 
 def _cache_path(identity: dict[str, Any]) -> Path:
     """$STRATA_CACHE (else ~/.cache/strata)/hw-<hash of what the figures depend on>.json."""
-    root = os.environ.get("STRATA_CACHE") or str(Path.home() / ".cache" / "strata")
     key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
-    return Path(root) / f"hw-{key}.json"
+    return cache_root() / f"hw-{key}.json"
 
 
 # ---------------------------------------------------------------- measurements

@@ -96,16 +96,21 @@ def gemv_swiglu(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `gemv` applies: numba present, fp32 CPU, few rows, contiguous weight, no autograd."""
+def few_fp32_rows(x: torch.Tensor, other: torch.Tensor, max_rows: int) -> bool:
+    """The shared precondition of the few-row CPU kernels: numba present, x [rows <= max_rows, n],
+    x and `other` (weight or cache) fp32 on CPU, no autograd (the kernels have no backward)."""
     return (
         numba is not None
         and x.dim() == 2
-        and x.shape[0] <= MAX_ROWS
+        and x.shape[0] <= max_rows
         and x.dtype == torch.float32
-        and weight.dtype == torch.float32
+        and other.dtype == torch.float32
         and x.device.type == "cpu"
-        and weight.device.type == "cpu"
-        and weight.is_contiguous()
-        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+        and other.device.type == "cpu"
+        and not (torch.is_grad_enabled() and (x.requires_grad or other.requires_grad))
     )
+
+
+def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `gemv` applies: few fp32 CPU rows and a contiguous weight."""
+    return few_fp32_rows(x, weight, MAX_ROWS) and weight.is_contiguous()

@@ -11,6 +11,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from strata.kernels import cpu_gemv
+
 try:
     import numba
     from numba import njit
@@ -44,15 +46,7 @@ if numba is not None:
 
 
 def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (
-        numba is not None
-        and x.dim() == 2
-        and x.shape[0] <= MAX_ROWS
-        and x.dtype == torch.float32
-        and weight.dtype == torch.float32
-        and x.device.type == "cpu"
-        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-    )
+    return cpu_gemv.few_fp32_rows(x, weight, MAX_ROWS)
 
 
 def add_rms_norm(

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from strata.kernels import cpu_gemv
+
 try:
     import numba
     from numba import njit
@@ -54,15 +56,7 @@ if numba is not None:
 
 
 def usable(qkv: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-    return (
-        numba is not None
-        and qkv.dim() == 2
-        and qkv.shape[0] <= MAX_ROWS
-        and qkv.dtype == torch.float32
-        and kv_cache.dtype == torch.float32
-        and qkv.device.type == "cpu"
-        and kv_cache.is_contiguous()
-    )
+    return cpu_gemv.few_fp32_rows(qkv, kv_cache, MAX_ROWS) and kv_cache.is_contiguous()
 
 
 def rope_and_store(
