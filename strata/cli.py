@@ -189,6 +189,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(g)
     add_sampling_args(g)
     g.set_defaults(func=cmd_generate)
+    from strata.server.main import SERVE_EXAMPLES, add_serve_args, cmd_serve
+
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server", epilog=SERVE_EXAMPLES,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_engine_args(sv)
+    add_serve_args(sv)
+    sv.set_defaults(func=cmd_serve)
     from strata.bench import cli as bench_cli
 
     bench_cli.register(sub)

@@ -14,7 +14,11 @@ class ModelLoadError(StrataError):
 
 
 class RequestError(StrataError, ValueError):
-    """An invalid request (names the request index and field)."""
+    """An invalid request (names the request index and field; `param` is the field, when known)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class CapacityError(StrataError):

@@ -51,8 +51,11 @@ def _read_json(path: Path) -> dict:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, detokenize: bool = True) -> None:
+        """detokenize=False: outputs carry token ids only and stop strings are left to the caller
+        (the server detokenises in its front-end process, off the engine's critical path)."""
         self.config = config
+        self.detokenize = detokenize
         self.threads = set_compute_threads(config.num_threads)
         if config.model is None:
             from strata.demo.model import demo_model_path
@@ -104,6 +107,7 @@ class LLMEngine:
         self.step_observers: list = []  # callables(engine) run after every step (benchmarks, metrics)
         self._seq_ids = itertools.count()
         self.num_steps = 0
+        self.stage_seconds = {"schedule": 0.0, "forward": 0.0, "sample": 0.0}  # cumulative, per step phase
 
     # --- setup helpers -------------------------------------------------------------------
     @staticmethod
@@ -242,12 +246,10 @@ class LLMEngine:
 
     def _new_seq(self, req: Request, index: int) -> Sequence:
         seq = Sequence(next(self._seq_ids), req, index, list(req.prompt_token_ids))
-        if self.tokenizer is not None:
-            from strata.engine.tokenizer import IncrementalDetokenizer
+        if self.tokenizer is not None and self.detokenize:
+            from strata.engine.output_text import OutputText
 
-            seq.detokenizer = IncrementalDetokenizer(
-                self.tokenizer, req.prompt_token_ids, req.params.skip_special_tokens
-            )
+            seq.output_text = OutputText(self.tokenizer, req.prompt_token_ids, req.params)
         req.seqs.append(seq)
         return seq
 
@@ -264,12 +266,27 @@ class LLMEngine:
         req.timeline.finished = time.time()
         return self._output(req)
 
+    def finish_sequence(self, request_id: str, index: int, reason: str, stop_reason: str | None = None) -> None:
+        """End one completion of a request (a stop string found by a front end); frees its blocks."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return
+        for seq in req.seqs:
+            if seq.index == index and not seq.finished:
+                seq.finish_reason, seq.stop_reason = reason, stop_reason
+                self.scheduler.finish(seq)
+        if req.finished:
+            req.timeline.finished = time.time()
+            self.requests.pop(request_id, None)
+
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
     # --- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
         out = self.scheduler.schedule()
+        t1 = time.perf_counter()
         now = time.time()
         for s in out.scheduled:
             tl = s.seq.request.timeline
@@ -278,6 +295,7 @@ class LLMEngine:
         logits, order = self.runner.execute(out)
         self.scheduler.update(out)
         self.num_steps += 1
+        t2 = time.perf_counter()
         touched: dict[str, Request] = {}
         if order:
             seqs, rows = self._expand_forks(order)
@@ -288,6 +306,11 @@ class LLMEngine:
             for seq, tok, lp in zip(seqs, sampled.token_ids, sampled.logprobs):
                 self._append(seq, tok, lp, now)
                 touched[seq.request.request_id] = seq.request
+        t3 = time.perf_counter()
+        st = self.stage_seconds
+        st["schedule"] += t1 - t0
+        st["forward"] += t2 - t1
+        st["sample"] += t3 - t2  # sampling, stop checks and (offline) detokenisation
         for observe in self.step_observers:
             observe(self)
         outputs = []
@@ -327,8 +350,6 @@ class LLMEngine:
             timeline.first_token = now
         n_out = seq.num_output_tokens
         reason, stop_reason = None, None
-        if seq.detokenizer is not None:
-            seq.detokenizer.add(token)
         if n_out >= p.min_tokens:
             if not p.ignore_eos and token in self.eos_token_ids:
                 reason = "stop"
@@ -338,34 +359,14 @@ class LLMEngine:
             (p.max_tokens is not None and n_out >= p.max_tokens) or seq.num_tokens >= self.max_model_len
         ):
             reason = "length"
-        full_text = ""
-        if seq.detokenizer is not None:
-            if reason is not None:
-                seq.detokenizer.flush()  # release text held back for an unfinished character
-            full_text = seq.detokenizer.text
-        if p.stop and n_out >= p.min_tokens:
-            cut = self._find_stop(full_text, len(seq.text), p)
-            if cut is not None:
-                idx, s = cut
-                full_text = full_text[: idx + (len(s) if p.include_stop_str_in_output else 0)]
-                reason, stop_reason = "stop", s
+        if seq.output_text is not None:
+            stop = seq.output_text.add(token, n_out, reason is not None)
+            if stop is not None:
+                reason, stop_reason = "stop", stop
+            seq.text = seq.output_text.text
         if reason is not None:
-            seq.text = full_text
             seq.finish_reason, seq.stop_reason = reason, stop_reason
             self.scheduler.finish(seq)
-        else:
-            hold = max((len(s) - 1 for s in p.stop), default=0)  # a stop string may still complete
-            seq.text = full_text[: max(len(seq.text), len(full_text) - hold)]
-
-    @staticmethod
-    def _find_stop(text: str, visible: int, p: SamplingParams) -> tuple[int, str] | None:
-        """Earliest stop string in the not-yet-returned text (it may span tokens)."""
-        best = None
-        for s in p.stop:
-            i = text.find(s, max(0, visible - len(s) + 1))
-            if i >= 0 and (best is None or i < best[0]):
-                best = (i, s)
-        return best
 
     def _output(self, req: Request) -> RequestOutput:
         tl = req.timeline
@@ -386,6 +387,7 @@ class LLMEngine:
             first_token_time=tl.first_token,
             finished_time=tl.finished,
             num_preemptions=sum(s.num_preemptions for s in req.seqs),
+            first_scheduled_time=tl.first_scheduled,
         )
 
     def kv_usage(self) -> KVUsage:

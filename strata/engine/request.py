@@ -33,7 +33,7 @@ class Sequence:
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at last admission
         self.status = SeqStatus.WAITING
         self.logprobs: list[dict[int, float]] = []
-        self.detokenizer: Any = None
+        self.output_text: Any = None  # engine/output_text.OutputText when the engine detokenises
         self.text = ""  # text returned so far (stop strings trimmed)
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
@@ -109,3 +109,4 @@ class RequestOutput:
     first_token_time: float | None
     finished_time: float | None
     num_preemptions: int = 0
+    first_scheduled_time: float | None = None

@@ -41,7 +41,7 @@ class SamplingParams:
         """Raise RequestError naming the request index and the field."""
 
         def bad(name: str, msg: str) -> RequestError:
-            return RequestError(f"request {index}: {name} {msg}, got {getattr(self, name)!r}")
+            return RequestError(f"request {index}: {name} {msg}, got {getattr(self, name)!r}", param=name)
 
         def is_int(v: object) -> bool:
             return isinstance(v, int) and not isinstance(v, bool)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -83,3 +84,56 @@ def set_compute_threads(n: int | None) -> int:
     used = torch.get_num_threads()
     logger.debug("torch compute threads set to %d", used)
     return used
+
+
+@dataclass
+class ServerLayout:
+    """Where the server's processes run: the engine's compute threads and the tokenizer workers."""
+
+    compute_threads: int
+    tokenizer_workers: int
+    compute_cpus: list[int] | None  # None: not pinned (no spare cores to separate them)
+    tokenizer_cpus: list[int] | None
+
+    def describe(self) -> str:
+        if self.compute_cpus is None:
+            return (f"{self.compute_threads} compute threads and {self.tokenizer_workers} tokenizer worker(s) "
+                    "share all CPUs (no spare cores)")
+        return (f"compute: {self.compute_threads} threads on CPUs {self.compute_cpus}; "
+                f"{self.tokenizer_workers} tokenizer worker(s) on CPUs {self.tokenizer_cpus}")
+
+
+def _core_groups(cpus: list[int]) -> list[list[int]]:
+    """Logical CPUs grouped by physical core (each CPU alone if the topology is unreadable)."""
+    groups: dict[tuple[str, str], list[int]] = {}
+    for cpu in cpus:
+        topo = _SYS_CPU / f"cpu{cpu}" / "topology"
+        try:
+            key = ((topo / "physical_package_id").read_text().strip(), (topo / "core_id").read_text().strip())
+        except OSError:
+            key = ("?", str(cpu))
+        groups.setdefault(key, []).append(cpu)
+    return list(groups.values())
+
+
+def server_layout(tokenizer_workers: int | None, compute_threads: int | None,
+                  cpus: list[int] | None = None) -> ServerLayout:
+    """Split the usable cores between compute and tokenisation.
+
+    Without --threads, machines with 8+ physical cores keep one core in eight for the front end
+    and tokenizer workers (batch-1 decode is bandwidth-bound, so compute loses little); smaller
+    machines give every core to compute and run one unpinned worker. Spare cores, when there are
+    any, get the workers (one per core, up to 4, unless --tokenizer-workers says otherwise) and
+    the compute threads stay off them.
+    """
+    cores = _core_groups(cpus if cpus is not None else usable_cpus())
+    if compute_threads is None:
+        compute_threads = len(cores) - len(cores) // 8 if len(cores) >= 8 else len(cores)
+    spare = cores[compute_threads:]
+    if not spare:
+        workers = 1 if tokenizer_workers is None else tokenizer_workers
+        return ServerLayout(compute_threads, workers, None, None)
+    workers = min(len(spare), 4) if tokenizer_workers is None else tokenizer_workers
+    compute_cpus = sorted(c for core in cores[:compute_threads] for c in core)
+    spare_cpus = sorted(c for core in spare for c in core)
+    return ServerLayout(compute_threads, workers, compute_cpus, spare_cpus)

@@ -1,0 +1,215 @@
+"""The engine's busy loop, in its own process: `python -m strata.server.engine_proc`.
+
+It receives requests as token ids from the front end, steps the engine whenever there is work,
+and sends back the new token ids of every sequence it advanced (no text: detokenisation happens
+in the front end, off this loop). Requests, outputs and statistics are msgpack over ZeroMQ.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import time
+import traceback
+
+import zmq
+
+from strata.server.protocol import decode, encode, params_from_dict
+
+logger = logging.getLogger("strata.server.engine")
+
+IDLE_POLL_MS = 100  # how long an idle loop waits for a message before sending fresh stats
+WARMUP_PROMPT_TOKENS = 24
+WARMUP_OUTPUT_TOKENS = 4
+
+
+class EngineLoop:
+    def __init__(self, engine, pull: zmq.Socket, push: zmq.Socket) -> None:
+        self.engine = engine
+        self.pull, self.push = pull, push
+        self.sent: dict[tuple[str, int], int] = {}  # (request, completion index) -> tokens sent
+        self.running = True
+        self._last_stats = 0.0
+
+    # --- inbound ---------------------------------------------------------------------------
+    def handle(self, msg: dict, errors: list) -> None:
+        op = msg.get("op")
+        eng = self.engine
+        if op == "add":
+            rid = msg["id"]
+            try:
+                params = params_from_dict(msg["params"])
+                eng.validate(0, msg["prompt_ids"], params)
+                eng.add_request(rid, None, msg["prompt_ids"], params)
+            except Exception as e:  # a bad request fails alone
+                logger.warning("request %s rejected: %s", rid, e)
+                errors.append({"id": rid, "message": str(e), "status": 400})
+        elif op == "abort":
+            for rid in msg["ids"]:
+                eng.abort(rid)
+                self._forget(rid)
+        elif op == "finish_seq":
+            eng.finish_sequence(msg["id"], msg["index"], "stop", msg.get("stop"))
+        elif op == "shutdown":
+            self.running = False
+        else:
+            logger.error("unknown message op %r ignored", op)
+
+    def _forget(self, rid: str) -> None:
+        for key in [k for k in self.sent if k[0] == rid]:
+            del self.sent[key]
+
+    def drain_inbox(self, timeout_ms: int, errors: list) -> None:
+        if not self.pull.poll(timeout_ms):
+            return
+        while True:
+            try:
+                data = self.pull.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                self.handle(decode(data), errors)
+            except Exception:
+                logger.error("bad message from the front end:\n%s", traceback.format_exc())
+
+    # --- outbound --------------------------------------------------------------------------
+    def deltas(self, outputs) -> tuple[list, list]:
+        deltas, done = [], []
+        for out in outputs:
+            for c in out.outputs:
+                key = (out.request_id, c.index)
+                start = self.sent.get(key, 0)
+                new = c.token_ids[start:]
+                if not new and c.finish_reason is None:
+                    continue
+                self.sent[key] = len(c.token_ids)
+                lps = None
+                if c.logprobs is not None:
+                    lps = [[[t, lp] for t, lp in d.items()] for d in c.logprobs[start:]]
+                deltas.append({
+                    "id": out.request_id, "index": c.index, "tokens": new, "logprobs": lps,
+                    "finish": c.finish_reason,
+                    "stop_reason": c.stop_reason if isinstance(c.stop_reason, int | str) else None,
+                })
+            if out.finished:
+                self._forget(out.request_id)
+                req_tl = {"arrival": out.arrival_time, "first_scheduled": out.first_scheduled_time,
+                          "first_token": out.first_token_time, "finished": out.finished_time}
+                done.append({"id": out.request_id, "timeline": req_tl, "preemptions": out.num_preemptions})
+        return deltas, done
+
+    def stats(self) -> dict:
+        eng = self.engine
+        sch = eng.scheduler
+        usage = eng.kv_usage()
+        pc = eng.block_manager.stats
+        return {
+            "running": len(sch.running), "waiting": len(sch.waiting), "swapped": len(sch.swapped),
+            "kv_usage": (usage.owned_bytes / usage.reserved_bytes) if usage.reserved_bytes else 0.0,
+            "kv_reserved_bytes": usage.reserved_bytes, "kv_owned_bytes": usage.owned_bytes,
+            "kv_token_bytes": usage.token_bytes, "kv_waste_bytes": usage.waste_bytes,
+            "preemptions": sch.num_preemptions, "prefix_queries": pc.queries, "prefix_hits": pc.hits,
+            "prefix_evictions": pc.evictions, "steps": eng.num_steps, "stage_seconds": dict(eng.stage_seconds),
+        }
+
+    def run(self) -> None:
+        eng = self.engine
+        while self.running:
+            errors: list = []
+            self.drain_inbox(0 if eng.has_unfinished() else IDLE_POLL_MS, errors)
+            outputs = []
+            if eng.has_unfinished():
+                try:
+                    outputs = eng.step()
+                except Exception:
+                    errors += self._fail_batch(traceback.format_exc())
+            deltas, done = self.deltas(outputs)
+            now = time.monotonic()
+            if deltas or done or errors or now - self._last_stats > 1.0:
+                self._last_stats = now
+                self.push.send(encode({"op": "step", "deltas": deltas, "done": done,
+                                       "errors": errors, "stats": self.stats()}))
+
+    def _fail_batch(self, tb: str) -> list:
+        """A step raised: fail the requests it was running (500), keep serving the rest."""
+        logger.error("engine step failed; failing its running requests:\n%s", tb)
+        eng = self.engine
+        ids = sorted({s.request.request_id for s in eng.scheduler.running})
+        for rid in ids:
+            eng.abort(rid)
+            self._forget(rid)
+        return [{"id": rid, "message": "internal error while running this request (see server log)",
+                 "status": 500} for rid in ids]
+
+
+def warm_up(engine) -> float:
+    """One short generation so kernels are compiled before the server reports ready."""
+    from strata.engine.sampling_params import SamplingParams
+
+    t0 = time.perf_counter()
+    vocab = engine.model_config.vocab_size
+    ids = [(7 * i + 3) % vocab for i in range(WARMUP_PROMPT_TOKENS)]
+    params = SamplingParams(temperature=0.0, max_tokens=WARMUP_OUTPUT_TOKENS, ignore_eos=True)
+    for i in range(2):  # two requests: batched decode paths too
+        engine.add_request(f"warmup-{i}", None, ids[i:], params)
+    while engine.has_unfinished():
+        engine.step()
+    engine.stage_seconds = dict.fromkeys(engine.stage_seconds, 0.0)
+    return time.perf_counter() - t0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--inbox", required=True, help="ZeroMQ address to receive requests from")
+    ap.add_argument("--outbox", required=True, help="ZeroMQ address to send outputs to")
+    ap.add_argument("--config", required=True, help="EngineConfig fields as JSON")
+    ap.add_argument("--cpus", default=None, help="comma-separated CPU ids to run on")
+    ap.add_argument("--log-level", default="INFO")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides when to stop (drain)
+    if args.cpus:
+        os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    pull.connect(args.inbox)
+    push = ctx.socket(zmq.PUSH)
+    push.connect(args.outbox)
+    try:
+        from strata.config import EngineConfig
+        from strata.engine.llm_engine import LLMEngine
+
+        engine = LLMEngine(EngineConfig(**json.loads(args.config)), detokenize=False)
+        warm = warm_up(engine)
+    except Exception as e:
+        logger.error("engine failed to start:\n%s", traceback.format_exc())
+        push.send(encode({"op": "fatal", "message": f"{type(e).__name__}: {e}"}))
+        push.close(linger=2000)
+        return 1
+    cfg = engine.model_config
+    info = {
+        "model_path": str(engine.model_path), "architecture": cfg.architecture, "dtype": str(engine.dtype),
+        "max_model_len": engine.max_model_len, "vocab_size": cfg.vocab_size,
+        "eos_token_ids": engine.eos_token_ids, "generation_defaults": engine.generation_defaults,
+        "num_blocks": engine.plan.num_blocks, "block_size": engine.config.block_size,
+        "threads": engine.threads, "warmup_seconds": warm,
+    }
+    logger.info("engine ready (warm-up %.2fs)", warm)
+    push.send(encode({"op": "ready", "info": info}))
+    loop = EngineLoop(engine, pull, push)
+    try:
+        loop.run()
+    except KeyboardInterrupt:
+        pass
+    push.close(linger=1000)
+    pull.close(linger=0)
+    ctx.term()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

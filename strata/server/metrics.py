@@ -1,0 +1,99 @@
+"""Prometheus metrics of the server (prometheus-client), in a registry of its own.
+
+Two kinds of time are exported: per-request stage time summed over requests
+(`strata_request_stage_seconds_total{stage=tokenize|queue|prefill|decode|detokenize|stream}`) and
+the engine loop's wall time per step phase (`strata_engine_step_seconds_total{phase=schedule|
+forward|sample}`); together they let the analyzer attribute where a request's time went.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+
+from strata.server.engine_client import EngineStats
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5,
+                   0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+disable_created_metrics()  # the *_created series only add noise to every scrape
+
+REQUEST_STAGES = ("tokenize", "queue", "prefill", "decode", "detokenize", "stream")
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("strata_requests", "HTTP requests by endpoint and status", ["endpoint", "status"], registry=r)
+        self.ttft = Histogram("strata_time_to_first_token_seconds", "arrival to first token", buckets=LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("strata_time_per_output_token_seconds", "(e2e - ttft) / (tokens - 1) per request",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("strata_inter_token_latency_seconds", "gap between successive tokens of a sequence",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("strata_e2e_request_latency_seconds", "arrival to last token", buckets=LATENCY_BUCKETS, registry=r)
+        self.queue = Histogram("strata_request_queue_time_seconds", "engine arrival to first scheduled",
+                               buckets=LATENCY_BUCKETS, registry=r)
+        self.running = Gauge("strata_num_requests_running", "sequences in the running batch", registry=r)
+        self.waiting = Gauge("strata_num_requests_waiting", "sequences waiting for admission", registry=r)
+        self.swapped = Gauge("strata_num_requests_swapped", "sequences parked in host memory", registry=r)
+        self.kv_usage = Gauge("strata_kv_cache_usage_ratio", "KV blocks owned by sequences / all blocks", registry=r)
+        self.kv_reserved = Gauge("strata_kv_cache_reserved_bytes", "KV cache bytes reserved", registry=r)
+        self.kv_live = Gauge("strata_kv_cache_live_token_bytes", "KV bytes holding computed tokens", registry=r)
+        self.kv_waste = Gauge("strata_kv_cache_waste_bytes", "unfilled slots of partially filled blocks", registry=r)
+        self.prompt_tokens = Counter("strata_prompt_tokens", "prompt tokens of admitted requests", registry=r)
+        self.generation_tokens = Counter("strata_generation_tokens", "tokens generated", registry=r)
+        self.preemptions = Counter("strata_preemptions", "sequences preempted", registry=r)
+        self.prefix_queries = Counter("strata_prefix_cache_queries", "full blocks looked up in the prefix cache", registry=r)
+        self.prefix_hits = Counter("strata_prefix_cache_hits", "of those, found cached", registry=r)
+        self.prefix_evictions = Counter("strata_prefix_cache_evictions", "cached blocks evicted", registry=r)
+        self.stage = Counter("strata_request_stage_seconds", "per-request stage time, summed over requests",
+                             ["stage"], registry=r)
+        self.step_phase = Counter("strata_engine_step_seconds", "engine loop wall time per step phase", ["phase"], registry=r)
+        self.in_flight = Gauge("strata_http_requests_in_flight", "generation requests being served", registry=r)
+        for s in REQUEST_STAGES:
+            self.stage.labels(s)
+        self._last = EngineStats()
+
+    def on_engine_stats(self, s: EngineStats) -> None:
+        """Gauges take the engine's values; counters advance by what changed since the last report."""
+        self.running.set(s.running)
+        self.waiting.set(s.waiting)
+        self.swapped.set(s.swapped)
+        self.kv_usage.set(s.kv_usage)
+        self.kv_reserved.set(s.kv_reserved_bytes)
+        self.kv_live.set(s.kv_token_bytes)
+        self.kv_waste.set(s.kv_waste_bytes)
+        last = self._last
+        for counter, now, before in (
+            (self.preemptions, s.preemptions, last.preemptions),
+            (self.prefix_queries, s.prefix_queries, last.prefix_queries),
+            (self.prefix_hits, s.prefix_hits, last.prefix_hits),
+            (self.prefix_evictions, s.prefix_evictions, last.prefix_evictions),
+        ):
+            if now > before:
+                counter.inc(now - before)
+        for phase, secs in s.stage_seconds.items():
+            delta = secs - last.stage_seconds.get(phase, 0.0)
+            if delta > 0:
+                self.step_phase.labels(phase).inc(delta)
+        self._last = s
+
+    def on_engine_done(self, record: dict) -> None:
+        """A request finished in the engine: its queue, prefill and decode time."""
+        tl = record["timeline"]
+        arrival, sched, first, end = tl["arrival"], tl["first_scheduled"], tl["first_token"], tl["finished"]
+        if sched is not None:
+            self.queue.observe(max(0.0, sched - arrival))
+            self.stage.labels("queue").inc(max(0.0, sched - arrival))
+            if first is not None:
+                self.stage.labels("prefill").inc(max(0.0, first - sched))
+                if end is not None:
+                    self.stage.labels("decode").inc(max(0.0, end - first))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,73 @@
+"""A tokenizer worker process: `python -m strata.server.tokenizer_worker`.
+
+Receives text or chat messages from the front end, returns token ids; msgpack over ZeroMQ. Several
+run side by side so tokenising long prompts never stalls the HTTP event loop or the engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import time
+
+import zmq
+
+from strata.errors import StrataError
+from strata.server import faults
+from strata.server.protocol import decode, encode
+
+logger = logging.getLogger("strata.server.tokenizer")
+
+
+def tokenize(tokenizer, job: dict) -> list[int]:
+    """The one tokenisation rule, shared by the workers and the in-loop fallback."""
+    delay = faults.tokenize_delay()
+    if delay:
+        time.sleep(delay)
+    if job["kind"] == "chat":
+        text = tokenizer.apply_chat_template(job["messages"], add_generation_prompt=True)
+        return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(job["text"], add_special_tokens=job.get("add_special_tokens", True))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", required=True, help="directory with tokenizer.json")
+    ap.add_argument("--jobs", required=True, help="ZeroMQ address to pull jobs from")
+    ap.add_argument("--results", required=True, help="ZeroMQ address to push results to")
+    ap.add_argument("--worker-id", type=int, default=0)
+    ap.add_argument("--cpus", default=None, help="comma-separated CPU ids to run on")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides when to stop
+    if args.cpus:
+        os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one core per worker
+    from strata.engine.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(args.model)
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    pull.connect(args.jobs)
+    push = ctx.socket(zmq.PUSH)
+    push.connect(args.results)
+    push.send(encode({"job": -1, "hello": args.worker_id}))
+    while True:
+        job = decode(pull.recv())
+        t0 = time.perf_counter()
+        try:
+            reply = {"job": job["job"], "ids": tokenize(tokenizer, job)}
+        except StrataError as e:  # bad input (e.g. a template error) fails this job only
+            reply = {"job": job["job"], "error": str(e)}
+        except Exception as e:
+            logger.exception("tokenizer job failed")
+            reply = {"job": job["job"], "error": f"{type(e).__name__}: {e}", "internal": True}
+        reply["seconds"] = time.perf_counter() - t0
+        push.send(encode(reply))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
