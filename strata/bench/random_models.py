@@ -77,6 +77,7 @@ def random_model_path(shape: str, seed: int = 0) -> Path:
         raise ConfigError(f"--random-model: unknown shape {shape!r}; choose one of {', '.join(SHAPES)}")
     out = cache_root() / f"random-{shape}-s{seed}"
     if (out / "model.safetensors").is_file():
+        _ensure_tokenizer(out, SHAPES[shape]["vocab_size"])
         return out
     cfg = dict(SHAPES[shape], torch_dtype="float32")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -86,6 +87,7 @@ def random_model_path(shape: str, seed: int = 0) -> Path:
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
         gen = {"bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"]}
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
+        _ensure_tokenizer(tmp, cfg["vocab_size"])
         try:
             tmp.rename(out)
         except OSError:  # another process won the race
@@ -94,3 +96,16 @@ def random_model_path(shape: str, seed: int = 0) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def _ensure_tokenizer(path: Path, vocab_size: int) -> None:
+    """Give the checkpoint a tokenizer covering its vocabulary (serving benchmarks send text), when
+    its vocabulary is at least the demo tokenizer's; smaller shapes take token-id prompts only."""
+    from strata.bench.random_tokenizer import write_tokenizer
+
+    if (path / "tokenizer.json").is_file():
+        return
+    try:
+        write_tokenizer(path, vocab_size)
+    except ValueError:
+        pass

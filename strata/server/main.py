@@ -30,6 +30,8 @@ SERVE_EXAMPLES = """examples:
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server")
+    g.add_argument("--random-model", default=None, metavar="SHAPE",
+                   help="serve a random-weight checkpoint of a benchmark shape (smol-135m, qwen-0.5b) instead of --model")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--served-model-name", default=None, help="model id clients use (default: the model dir's name)")
@@ -56,6 +58,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from strata.cli import engine_kwargs
     from strata.hardware.placement import server_layout
 
+    if args.random_model is not None:
+        from strata.bench.random_models import random_model_path
+
+        if args.model is not None:
+            raise StrataError("give --model PATH or --random-model SHAPE, not both")
+        args.model = str(random_model_path(args.random_model))
     kwargs = engine_kwargs(args)
     kwargs["model"] = args.model
     EngineConfig(**kwargs)  # validate flags here, before starting any process
@@ -71,7 +79,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         model_path = str(demo_model_path())
     else:
         model_path = str(args.model)
-    name = args.served_model_name or os.path.basename(os.path.normpath(model_path))
+    if not os.path.isfile(os.path.join(model_path, "tokenizer.json")):
+        raise StrataError(f"{model_path} has no tokenizer.json; the server needs one to read and write text "
+                          "(copy the model's tokenizer files into that directory)")
+    name = args.served_model_name or args.random_model or os.path.basename(os.path.normpath(model_path))
     opts = ServerOptions(
         served_model_name=name, api_key=args.api_key or os.environ.get("STRATA_API_KEY") or None,
         max_request_bytes=parse_bytes(args.max_request_bytes, "--max-request-bytes"),
