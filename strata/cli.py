@@ -41,6 +41,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="when KV blocks run out: recompute, swap to host memory, or auto (cost model)")
     g.add_argument("--swap-space", default=None,
                    help="host KV pool for swapping, e.g. 4GiB (default: size of the KV cache, <= 4GiB)")
+    g.add_argument("--fuse", action=argparse.BooleanOptionalAction, default=None,
+                   help="run the step as an FX graph with fused ops (add+RMSNorm, SiLU*up, rotary q/k, KV "
+                   "write; graph/fusion.py) (default: off; on CPU the eager step's hand-placed numba "
+                   "kernels measured faster)")
+    g.add_argument("--compile", action="store_true",
+                   help="torch.compile the decode step (the FX-traced, fused step; batch padded to buckets) "
+                   "(default: off, eager)")
+    g.add_argument("--cuda-graphs", action="store_true",
+                   help="capture the decode step as CUDA graphs per batch bucket and replay it (CUDA only)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -52,6 +61,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         quantization_group_size=getattr(args, "quantization_group_size", 64),
         enable_prefix_caching=not getattr(args, "no_prefix_caching", False),
         preemption_mode=args.preemption_mode, swap_space=args.swap_space,
+        fuse=getattr(args, "fuse", None), compile=getattr(args, "compile", False),
+        cuda_graphs=getattr(args, "cuda_graphs", False),
     )
 
 
@@ -135,12 +146,34 @@ def _read_jsonl(path: Path) -> list[dict]:
     return rows
 
 
+def _print_fusions(llm) -> None:
+    """The FX fusion report: patterns rewritten, and what the model's structure implies."""
+    from strata.graph.fusion import PATTERNS, expected_counts
+
+    fused = llm.engine.fusion
+    if fused is None:
+        print("fusions: off (--no-fuse)", file=sys.stderr)
+        return
+    layers = llm.engine.model_config.num_layers
+    want = expected_counts(layers)
+    print(f"fusions ({layers} layers):", file=sys.stderr)
+    for name in PATTERNS:
+        got = fused.counts.get(name, 0)
+        note = "" if got == want[name] else f"  (structure implies {want[name]})"
+        print(f"  {name:<13} {got:>4}{note}", file=sys.stderr)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from strata import LLM
 
     if (args.prompt is None) == (args.input is None):
         raise StrataError("give exactly one of --prompt TEXT or --input prompts.jsonl")
-    llm = LLM(args.model, **engine_kwargs(args))
+    kwargs = engine_kwargs(args)
+    if args.print_fusions and kwargs["fuse"] is None:
+        kwargs["fuse"] = True
+    llm = LLM(args.model, **kwargs)
+    if args.print_fusions:
+        _print_fusions(llm)
     if args.prompt is not None:
         params = sampling_from_args(args, llm)
         if params.n != 1:
@@ -186,6 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", default=None, help="one prompt; tokens stream to the terminal")
     g.add_argument("--input", default=None, help="JSONL file of prompts (batch mode, progress bar)")
     g.add_argument("--output", default=None, help="JSONL results file for --input (default: stdout)")
+    g.add_argument("--print-fusions", action="store_true",
+                   help="print how many of each FX fusion pattern were rewritten (turns on --fuse unless "
+                   "--no-fuse)")
     add_engine_args(g)
     add_sampling_args(g)
     g.set_defaults(func=cmd_generate)
@@ -199,6 +235,12 @@ def build_parser() -> argparse.ArgumentParser:
     from strata.bench import cli as bench_cli
 
     bench_cli.register(sub)
+    from strata.analyze import cli as analyze_cli  # `strata hw`, `strata plan`
+
+    analyze_cli.register(sub)
+    from strata.analyze import analyze_cli as analyze_cmd  # `strata analyze`
+
+    analyze_cmd.register(sub)
     return parser
 
 

@@ -65,13 +65,17 @@ class EngineConfig:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     num_threads: int | None = None
-    attention_backend: str = "auto"  # auto | torch | sdpa | cpu
+    attention_backend: str = "auto"  # auto | torch | sdpa | cpu | triton
     quantization: str | None = None  # None | int8 | int4: weight-only, quantised at load
     quantization_group_size: int = 64  # int4: input columns per scale (32 | 64 | 128)
     preemption_mode: str = "auto"  # auto (cost model) | recompute | swap
     swap_space: int | str | None = None  # host KV pool; None = as big as the device KV cache, <= 4GiB
     seed: int = 0
     enable_prefix_caching: bool = True  # share cached KV blocks of equal prompt prefixes
+    # graph/fusion.py FX fusion passes for the eager step; None = auto (off: see docs/design-notes.md)
+    fuse: bool | None = None
+    compile: bool = False  # torch.compile the decode step (graph/capture.py), batch-bucketed
+    cuda_graphs: bool = False  # capture + replay the decode step as CUDA graphs (CUDA only)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"):
@@ -95,9 +99,10 @@ class EngineConfig:
             self.kv_cache_memory = parse_bytes(self.kv_cache_memory, "kv_cache_memory")
         if not 0.0 < self.memory_fraction <= 1.0:
             raise ConfigError(f"memory_fraction: must be in (0, 1], got {self.memory_fraction}")
-        if self.attention_backend not in ("auto", "torch", "sdpa", "cpu"):
+        if self.attention_backend not in ("auto", "torch", "sdpa", "cpu", "triton"):
             raise ConfigError(
-                f"attention_backend: unknown {self.attention_backend!r}; choose auto, torch, sdpa or cpu"
+                f"attention_backend: unknown {self.attention_backend!r}; "
+                "choose auto, torch, sdpa, cpu or triton"
             )
         if self.preemption_mode not in ("auto", "recompute", "swap"):
             raise ConfigError(
@@ -119,3 +124,20 @@ class EngineConfig:
             )
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError(f"num_threads: must be >= 1, got {self.num_threads}")
+        for name in ("compile", "cuda_graphs"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name}: must be True or False, got {getattr(self, name)!r}")
+        if self.fuse not in (None, True, False):
+            raise ConfigError(f"fuse: must be True, False or None (auto), got {self.fuse!r}")
+        if self.cuda_graphs and not self.device.startswith("cuda"):
+            raise ConfigError(
+                f"cuda_graphs (--cuda-graphs): CUDA graphs need a CUDA device, but device is {self.device!r}; "
+                "use --device cuda, or drop --cuda-graphs (--compile works on CPU)"
+            )
+        if self.compile and self.quantization is not None:
+            raise ConfigError(
+                "compile (--compile) does not support quantized weights yet (the quantised projections "
+                "are not opaque ops for torch.compile); drop --compile or --quantization"
+            )
+        if self.fuse is None:
+            self.fuse = False

@@ -18,6 +18,10 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
+# Fixture modules of subdirectories (plain modules, not conftest.py files: a second module named
+# conftest would shadow this one for the tests that `from conftest import ...`).
+pytest_plugins = ["tests.server.serverproc", "tests.analyze.profiles"]
+
 settings.register_profile(
     "strata",
     deadline=None,

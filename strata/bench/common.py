@@ -63,6 +63,18 @@ def bench_engine_kwargs(args: argparse.Namespace, need_len: int, num_seqs: int) 
     return kw
 
 
+def warm_capture(engine: Any) -> None:
+    """With --compile / --cuda-graphs: compile or capture the decode step before anything is timed."""
+    if engine.runner.decode_step is not None:
+        engine.runner.decode_step.warm_up()
+
+
+def capture_stats(engine: Any) -> dict | None:
+    """torch.compile / CUDA-graph counters of the run (compilations, graphs, batch buckets used)."""
+    cap = engine.runner.decode_step
+    return None if cap is None else cap.stats()
+
+
 def parse_range(text: str, flag: str) -> tuple[int, int]:
     """'32:512' -> (32, 512) inclusive; '128' -> (128, 128)."""
     parts = str(text).split(":")

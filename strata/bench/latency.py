@@ -16,6 +16,12 @@ examples:
   strata bench latency --random-model smol-135m --dtype float32 --compare hf
   strata bench latency --random-model qwen-0.5b --dtype float32 --quantization int4
   strata bench latency --model ./Qwen2.5-0.5B --batch 8 --input-len 512 --output-len 64 --json lat.json
+  strata bench latency --random-model smol-135m --dtype float32 --compile     # torch.compile'd decode
+  strata bench latency --random-model smol-135m --dtype float32 --profile --trace decode.json
+
+--profile runs the batch once more after the timed run with the decode steps under torch.profiler
+and prints the top-5 operators/kernels by self time, their share of step time, and the share of
+step time spent outside any operator (host overhead); see strata/kernels/profile.py.
 """
 
 from __future__ import annotations
@@ -29,11 +35,13 @@ import torch
 from strata.bench.common import (
     add_model_args,
     bench_engine_kwargs,
+    capture_stats,
     print_table,
     random_prompts,
     ratio,
     resolve_model,
     special_ids,
+    warm_capture,
     write_json,
 )
 from strata.errors import ConfigError, StrataError
@@ -53,6 +61,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--output-len", type=int, default=128, help="output tokens per sequence, >= 2 (default 128)")
     g.add_argument("--warmup", type=int, default=1, help="untimed warm-up runs (short outputs) before timing")
     g.add_argument("--seed", type=int, default=0, help="seed for the token ids")
+    g.add_argument("--profile", action="store_true",
+                   help="after the timed run, profile the decode loop: top-5 operators/kernels by self time "
+                   "and the host-overhead share of step time")
+    g.add_argument("--trace", default=None, metavar="FILE",
+                   help="write the profiled decode loop as a Chrome trace (implies --profile)")
 
 
 def figures(
@@ -110,6 +123,11 @@ def main(args: argparse.Namespace) -> int:
         if v < lo:
             raise ConfigError(f"{flag}: must be >= {lo}, got {v}")
     need = args.input_len + args.output_len
+    profile = args.profile or args.trace is not None
+    if profile and args.compile:
+        import torch._inductor.config as inductor_config
+
+        inductor_config.cpp.enable_kernel_profile = True  # compiled C++ kernels as named profiler events
     llm = LLM(resolve_model(args), **bench_engine_kwargs(args, need, args.batch))
     eng = llm.engine
     cfg, vocab, avoid = eng.model_config, eng.model_config.vocab_size, special_ids(eng)
@@ -126,6 +144,7 @@ def main(args: argparse.Namespace) -> int:
         "warmup": args.warmup, "seed": args.seed, "weight_bytes": wbytes, "kv_bytes_per_token": kvtok,
         "quantization": eng.config.quantization,
         "quantization_group_size": eng.config.quantization_group_size if eng.config.quantization == "int4" else None,
+        "fuse": eng.config.fuse, "compile": eng.config.compile, "cuda_graphs": eng.config.cuda_graphs,
     }
     quant = ""
     if eng.config.quantization is not None:
@@ -148,12 +167,24 @@ def main(args: argparse.Namespace) -> int:
     print(f"memory bandwidth (measured now): {bw:.1f} GB/s; decode reads {wbytes / 1e6:.1f} MB weights "
           f"+ {kv_mean / 1e6:.1f} MB KV (mean) per step")
 
+    warm_capture(eng)
     for w in warm:
         _strata_run(llm, w, warm_len)
     prefill_s, decode_s = _strata_run(llm, prompts, args.output_len)
+    info["capture"] = capture_stats(eng)
     fig = dict(params=params, weight_bytes=wbytes, kv_bytes_per_token=kvtok, bandwidth_gbs=bw)
     results = {"strata": figures(prefill_s, decode_s, args, **fig)}
     rows = [_row("strata", results["strata"])]
+    report = None
+    if profile:
+        from strata import SamplingParams
+        from strata.kernels.profile import profile_decode
+
+        again = random_prompts(np.random.default_rng(args.seed + 1000), vocab, [args.input_len] * args.batch, avoid)
+        sp = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+        report = profile_decode(eng, again, sp, top=5, trace=args.trace)
+        report.unprofiled_step_ms = results["strata"]["ms_per_step"]
+        results["strata"]["profile"] = report.to_dict()
 
     if args.compare == "hf":
         from strata.bench.hf_peer import hf_latency, load_hf_model
@@ -177,5 +208,12 @@ def main(args: argparse.Namespace) -> int:
     print()
     print_table(["engine", "prefill ms", "prefill tok/s", "prefill GFLOP/s", "ms/step",
                  "tok/s/seq", "tok/s total", "decode GB/s", "MBU"], rows)
+    if info["capture"] is not None:
+        c = info["capture"]
+        print(f"captured decode: {c['compiles']} torch.compile compilations, {c['graphs']} CUDA graphs; "
+              f"batch buckets used {c['bucket_hits']}")
+    if report is not None:
+        print()
+        print(report.format())
     write_json(args.json, {**info, **results})
     return 0

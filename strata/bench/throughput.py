@@ -25,12 +25,14 @@ import torch
 from strata.bench.common import (
     add_model_args,
     bench_engine_kwargs,
+    capture_stats,
     parse_range,
     print_table,
     random_prompts,
     ratio,
     resolve_model,
     special_ids,
+    warm_capture,
     write_json,
 )
 from strata.errors import ConfigError
@@ -88,6 +90,7 @@ def main(args: argparse.Namespace) -> int:
         "device": args.device, "threads": eng.threads, "num_prompts": args.num_prompts,
         "input_len": [in_lo, in_hi], "output_len": [out_lo, out_hi], "seed": args.seed,
         "prompt_tokens": prompt_tokens, "output_tokens": sum(out_lens),
+        "fuse": eng.config.fuse, "compile": eng.config.compile, "cuda_graphs": eng.config.cuda_graphs,
     }
     print(
         f"model {info['model']} ({info['architecture']}, {info['params'] / 1e6:.0f}M params), "
@@ -96,6 +99,7 @@ def main(args: argparse.Namespace) -> int:
         f"output {out_lo}:{out_hi} (mean {sum(out_lens) / args.num_prompts:.0f}), seed {args.seed}"
     )
 
+    warm_capture(eng)
     warm = [prompts[0][:8]]
     llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), use_tqdm=False)
     kv_samples: list[tuple[float, float]] = []  # per step: (waste, live-token bytes) / reserved
@@ -118,6 +122,7 @@ def main(args: argparse.Namespace) -> int:
         results["strata"]["kv_waste_max_of_reserved"] = max(waste)
         results["strata"]["kv_live_mean_of_reserved"] = sum(t for _, t in kv_samples) / len(kv_samples)
     rows = [_row("strata", results["strata"])]
+    info["capture"] = capture_stats(eng)
 
     if args.compare == "hf":
         from strata.bench.hf_peer import hf_throughput, load_hf_model
@@ -150,5 +155,9 @@ def main(args: argparse.Namespace) -> int:
         print(f"strata KV cache over the run: live tokens {st['kv_live_mean_of_reserved']:.1%} of reserved "
               f"bytes on average; waste in partially filled blocks {st['kv_waste_mean_of_reserved']:.2%} "
               f"mean, {st['kv_waste_max_of_reserved']:.2%} max")
+    if info["capture"] is not None:
+        c = info["capture"]
+        print(f"captured decode: {c['compiles']} torch.compile compilations, {c['graphs']} CUDA graphs; "
+              f"batch buckets used {c['bucket_hits']}")
     write_json(args.json, {**info, **results})
     return 0

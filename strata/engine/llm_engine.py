@@ -85,7 +85,12 @@ class LLMEngine:
             config.kv_cache_memory, config.memory_fraction, config.device,
             config.quantization, config.quantization_group_size,
         )
-        self.kv_caches = allocate_kv_cache(cfg, self.plan.num_blocks, config.block_size, self.dtype, config.device)
+        # with a captured decode step, one extra block past the manager's range takes padded rows' KV
+        self.scratch_block = self.plan.num_blocks
+        extra = 1 if (config.compile or config.cuda_graphs) else 0
+        self.kv_caches = allocate_kv_cache(
+            cfg, self.plan.num_blocks + extra, config.block_size, self.dtype, config.device
+        )
         self.block_manager = BlockManager(self.plan.num_blocks, config.block_size, config.enable_prefix_caching)
         logger.info(
             "KV cache reserved: %s (%d blocks of %d tokens); prefix caching %s",
@@ -102,8 +107,19 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv_caches, config.block_size, config.device, backend)
         if self.host_pool is not None:
             self.runner.swapper = KVSwapper(self.kv_caches, self.host_pool)
+        self.fusion = None  # graph/fusion.FusedStep when config.fuse
+        if config.fuse:
+            from strata.graph.fusion import fuse_model
+
+            t0 = time.perf_counter()
+            self.fusion = self.runner.forward = fuse_model(self.model)
+            logger.info("fusion: %s in %.2fs", self.fusion.summary(), time.perf_counter() - t0)
+        from strata.graph.capture import build_decode_capture
+
+        self.runner.decode_step = build_decode_capture(self)
         self.sampler = Sampler(cfg.vocab_size, self.eos_token_ids, config.seed)
         self.requests: dict[str, Request] = {}
+        self.last_schedule = None
         self.step_observers: list = []  # callables(engine) run after every step (benchmarks, metrics)
         self._seq_ids = itertools.count()
         self.num_steps = 0
@@ -196,8 +212,9 @@ class LLMEngine:
         return model
 
     def _attention_backend(self) -> str:
-        """auto: the numba paged-decode kernel for fp32 on CPU when numba is present, else SDPA."""
-        from strata.kernels import cpu_attention
+        """auto: the numba paged-decode kernel for fp32 on CPU when numba is present, the Triton
+        kernel on CUDA when triton is importable, else SDPA."""
+        from strata.kernels import attention, cpu_attention
 
         choice = self.config.attention_backend
         cpu_ok = self.config.device == "cpu" and self.dtype == torch.float32 and cpu_attention.available()
@@ -205,10 +222,32 @@ class LLMEngine:
             raise ConfigError(
                 "attention_backend: 'cpu' needs numba, device cpu and dtype float32; use 'auto' or 'sdpa'"
             )
+        triton_ok = attention.triton_usable(self.config.device)
+        if choice == "triton" and not triton_ok:
+            raise ConfigError(
+                "attention_backend: 'triton' needs a CUDA device and triton (pip install 'strata[triton]'); "
+                "use 'auto' or 'sdpa'"
+            )
         if choice == "auto":
-            choice = "cpu" if cpu_ok else "sdpa"
+            choice = "cpu" if cpu_ok else "triton" if triton_ok else "sdpa"
         logger.info("attention backend: %s", choice)
         return choice
+
+    def warm_up(self, prompt_tokens: int = 24, output_tokens: int = 4) -> float:
+        """Two short greedy requests, so kernels are compiled before anything is measured or
+        served; resets the step-phase clocks. Returns the seconds it took."""
+        t0 = time.perf_counter()
+        if self.runner.decode_step is not None:  # --compile / --cuda-graphs: compile or capture now
+            self.runner.decode_step.warm_up()
+        vocab = self.model_config.vocab_size
+        ids = [(7 * i + 3) % vocab for i in range(prompt_tokens)]
+        params = SamplingParams(temperature=0.0, max_tokens=output_tokens, ignore_eos=True)
+        for i in range(2):  # two requests: the batched decode paths too
+            self.add_request(f"warmup-{i}", None, ids[i:], params)
+        while self.has_unfinished():
+            self.step()
+        self.stage_seconds = dict.fromkeys(self.stage_seconds, 0.0)
+        return time.perf_counter() - t0
 
     # --- requests ------------------------------------------------------------------------
     def encode(self, prompt: str) -> list[int]:
@@ -286,6 +325,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
+        self.last_schedule = out  # for observers (the analyzer classifies steps by it)
         t1 = time.perf_counter()
         now = time.time()
         for s in out.scheduled:

@@ -26,6 +26,10 @@ class ModelRunner:
         self.device = torch.device(device)
         self.backend = attention_backend
         self.swapper: KVSwapper | None = None  # set by the engine when swap space exists
+        # the step's forward: the model, or its FX-fused step (graph/fusion.py); all-decode steps
+        # go to decode_step first when set (graph/capture.py: torch.compile / CUDA graphs)
+        self.forward = model
+        self.decode_step = None
 
     def _tensor(self, data, dtype=torch.long) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype, device=self.device)
@@ -101,7 +105,11 @@ class ModelRunner:
         if not out.scheduled:
             return None, []
         ids, pos, meta, rows, order = self.prepare(out)
-        hidden = self.model(ids, pos, meta, self.kv_caches)
+        hidden = None
+        if self.decode_step is not None and meta.num_prefill_tokens == 0:
+            hidden = self.decode_step(ids, pos, meta)  # None: not a step it captures
+        if hidden is None:
+            hidden = self.forward(ids, pos, meta, self.kv_caches)
         if not order:
             return None, []
         logits = self.model.compute_logits(hidden.index_select(0, rows))

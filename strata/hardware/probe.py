@@ -2,7 +2,9 @@
 
 `probe()` measures DRAM bandwidth and the F.linear rates that decide decode (batch-1 weight
 streaming) and batched/prefill speed, per dtype, and caches them as JSON so later calls are free.
-`auto_dtype()` turns those figures into Strata's `dtype="auto"`.
+`auto_dtype()` turns those figures into Strata's `dtype="auto"`. Schema 3 adds what `strata hw`
+and `strata plan` read: prefill-shaped GEMM rates, the quantised kernels' rates, the cost of one
+tiny torch op, an independent numpy bandwidth figure, and host<->device copy rates on GPUs.
 """
 
 from __future__ import annotations
@@ -12,14 +14,18 @@ import json
 import logging
 import math
 import os
+import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import psutil
 import torch
+import torch.nn.functional as F
 
 from strata.config import DTYPES, cache_root
 from strata.errors import ConfigError
@@ -27,12 +33,18 @@ from strata.hardware.placement import default_threads
 
 logger = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 2  # 2: linear rates measured through Strata's kernel dispatch
+SCHEMA_VERSION = 3  # 2: linear rates through Strata's dispatch; 3: + gemm/quant/dispatch/copy figures
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile")
 CPU_LINEAR_SHAPE = (16384, 4096)  # fp32 256 MiB, bf16 128 MiB: well past L3 (even 2 CCDs)
 CUDA_LINEAR_SHAPE = (16384, 8192)  # bf16 256 MiB: past a GPU's L2
 CUDA_GEMM_SIZE = 8192
 MATMUL_BATCH = 16
+GEMM_ROWS, GEMM_SHAPE = 512, (2048, 2048)  # CPU prefill-shaped GEMM: 512 prompt rows x a layer weight
+# causal SDPA as Strata's prefill calls it: q [kv_heads, group, n, d], K/V expanded over the group
+CPU_SDPA_SHAPE, CUDA_SDPA_SHAPE = (2, 4, 512, 64), (8, 4, 4096, 128)
+QUANT_LINEAR_SHAPE = (16384, 4096)  # int8 64 MiB (past L3); int4 uses twice the columns (also 64 MiB)
+NUMPY_BANDWIDTH_BYTES = 256 * 2**20
+HOST_COPY_BYTES = 256 * 2**20
 SWITCH_MARGIN = 1.1  # a narrow dtype must beat fp32 by this much on every measure to be chosen
 
 
@@ -50,6 +62,18 @@ class HardwareProfile:
     linear_gbs: dict[str, float]  # batch-1 F.linear weight bytes streamed per second, GB/s
     matmul_gflops: dict[str, float]  # batch-16 F.linear (CPU) or square GEMM (GPU), GFLOP/s
     torch_version: str
+    # CPU: GEMM_ROWS x GEMM_SHAPE F.linear through Strata's dispatch (prefill); GPU: square GEMM.
+    # "int8": torch's own int8 kernel where it has one (CPU: _weight_int8pack_mm, bf16
+    # activations; GPU: _int_mm), informational: Strata's CPU int8 path is quant_* below.
+    gemm_gflops: dict[str, float] = field(default_factory=dict)
+    sdpa_gflops: dict[str, float] = field(default_factory=dict)  # causal prefill attention (SDPA_SHAPE)
+    quant_linear_gbs: dict[str, float] = field(default_factory=dict)  # CPU int8/int4 batch-1, GB/s
+    quant_matmul_gflops: dict[str, float] = field(default_factory=dict)  # ... batch-16, GFLOP/s
+    dispatch_us: float = 0.0  # median host time of torch.add on 1-element tensors, microseconds
+    numpy_read_gbs: float = 0.0  # independent check of mem_bandwidth_gbs: numpy dot, same threads
+    numpy_copy_gbs: float = 0.0  # numpy copyto, (read + write bytes) / time
+    h2d_gbs: float = 0.0  # GPU: pinned host -> device copy, GB/s (0 on CPU)
+    d2h_gbs: float = 0.0  # GPU: device -> pinned host copy, GB/s
 
     def to_json(self) -> dict[str, Any]:
         """Plain-data form (JSON-serialisable)."""
@@ -72,10 +96,23 @@ class HardwareProfile:
             isa=[str(x) for x in d["isa"]],
             memory_bytes=int(d["memory_bytes"]),
             mem_bandwidth_gbs=float(d["mem_bandwidth_gbs"]),
-            linear_gbs={str(k): float(v) for k, v in d["linear_gbs"].items()},
-            matmul_gflops={str(k): float(v) for k, v in d["matmul_gflops"].items()},
+            linear_gbs=_rates(d["linear_gbs"]),
+            matmul_gflops=_rates(d["matmul_gflops"]),
             torch_version=str(d["torch_version"]),
+            gemm_gflops=_rates(d["gemm_gflops"]),
+            sdpa_gflops=_rates(d["sdpa_gflops"]),
+            quant_linear_gbs=_rates(d["quant_linear_gbs"]),
+            quant_matmul_gflops=_rates(d["quant_matmul_gflops"]),
+            dispatch_us=float(d["dispatch_us"]),
+            numpy_read_gbs=float(d["numpy_read_gbs"]),
+            numpy_copy_gbs=float(d["numpy_copy_gbs"]),
+            h2d_gbs=float(d["h2d_gbs"]),
+            d2h_gbs=float(d["d2h_gbs"]),
         )
+
+
+def _rates(d: dict[str, Any]) -> dict[str, float]:
+    return {str(k): float(v) for k, v in d.items()}
 
 
 # ---------------------------------------------------------------- identity (cheap)
@@ -222,6 +259,158 @@ def _linear_rates(
     return linear_gbs, matmul_gflops
 
 
+def measure_dispatch_us(device: str = "cpu", calls: int = 2000) -> float:
+    """Median host time of one tiny op (torch.add on 1-element tensors), in microseconds.
+
+    What every extra op in a step costs before any arithmetic: framework dispatch on CPU,
+    dispatch plus the (host side of a) kernel launch on CUDA.
+    """
+    if calls < 1:
+        raise ConfigError(f"calls={calls}: must be >= 1")
+    dev = _resolve_device(device)
+    times: list[int] = []
+    with torch.inference_mode():
+        a, b = torch.ones(1, device=dev), torch.ones(1, device=dev)
+        for _ in range(min(calls, 100)):
+            torch.add(a, b)
+        for _ in range(calls):
+            t0 = time.perf_counter_ns()
+            torch.add(a, b)
+            times.append(time.perf_counter_ns() - t0)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+    return statistics.median(times) / 1e3
+
+
+def numpy_bandwidth_meter(
+    nbytes: int = NUMPY_BANDWIDTH_BYTES, threads: int = 1
+) -> Callable[[], tuple[float, float]]:
+    """A function returning (read GB/s, copy GB/s) measured with numpy alone, once per call.
+
+    An independent check on `measure_mem_bandwidth`'s torch figure: read = x.dot(x) over
+    `threads` slices in parallel (BLAS, memory-bound; numpy's own sum is not: its pairwise
+    summation caps near ~17 GB/s a thread on the dev box); copy = np.copyto over the slices,
+    counting bytes read plus bytes written (write-allocate traffic is not counted).
+    """
+    if nbytes < 4 * threads or threads < 1:
+        raise ConfigError(f"nbytes={nbytes}, threads={threads}: need threads >= 1, nbytes >= 4 x threads")
+    n = nbytes // 4
+    src = np.ones(n, np.float32)
+    dst = np.zeros(n, np.float32)  # written once so its pages exist before timing
+    step = -(-n // threads)
+    starts = list(range(0, n, step))
+
+    def run(pool: ThreadPoolExecutor) -> tuple[float, float]:
+        t0 = time.perf_counter()
+        list(pool.map(lambda i: src[i : i + step].dot(src[i : i + step]), starts))
+        t1 = time.perf_counter()
+        list(pool.map(lambda i: np.copyto(dst[i : i + step], src[i : i + step]), starts))
+        t2 = time.perf_counter()
+        return n * 4 / max(t1 - t0, 1e-9) / 1e9, 2 * n * 4 / max(t2 - t1, 1e-9) / 1e9
+
+    def measure() -> tuple[float, float]:
+        with ThreadPoolExecutor(threads) as pool:
+            run(pool)  # first touch of the thread pool and the pages
+            return run(pool)
+
+    return measure
+
+
+def measure_host_copy(device: str, nbytes: int = HOST_COPY_BYTES, repeats: int = 5) -> tuple[float, float]:
+    """(host->device, device->host) GB/s of pinned-memory copies to/from a CUDA device."""
+    dev = _resolve_device(device)
+    if dev.type != "cuda":
+        raise ConfigError(f"device={device!r}: host<->device copies need a CUDA device")
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    gpu = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    h2d = _best_seconds(lambda: gpu.copy_(host, non_blocking=True), dev, repeats)
+    d2h = _best_seconds(lambda: host.copy_(gpu, non_blocking=True), dev, repeats)
+    return nbytes / h2d / 1e9, nbytes / d2h / 1e9
+
+
+def _gemm_rates(dtypes: list[str]) -> dict[str, float]:
+    """CPU GFLOP/s of a prefill-shaped F.linear (GEMM_ROWS rows) per dtype, via Strata's dispatch."""
+    n, k = GEMM_SHAPE
+    out: dict[str, float] = {}
+    with torch.inference_mode():
+        master = torch.randn(n, k)
+        for name in dtypes:
+            weight = master.to(DTYPES[name])
+            out[name] = 2 * GEMM_ROWS * n * k / measure_linear(weight, GEMM_ROWS, repeats=3) / 1e9
+    return out
+
+
+def measure_sdpa(device: str, dtype: torch.dtype, shape: tuple[int, int, int, int], repeats: int = 5) -> float:
+    """GFLOP/s of causal scaled_dot_product_attention in Strata's prefill layout (GQA K/V expanded,
+    not copied); FLOPs = 2 x heads x head_dim x n x (n + 1): QK^T and PV over the causal half."""
+    dev = _resolve_device(device)
+    kvh, group, n, d = shape
+    with torch.inference_mode():
+        q = torch.randn(kvh, group, n, d, device=dev).to(dtype)
+        k = torch.randn(n, kvh, d, device=dev).to(dtype).transpose(0, 1).unsqueeze(1).expand(-1, group, -1, -1)
+        v = torch.randn(n, kvh, d, device=dev).to(dtype).transpose(0, 1).unsqueeze(1).expand(-1, group, -1, -1)
+        sec = _best_seconds(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), dev, repeats)
+    return 2 * kvh * group * d * n * (n + 1) / sec / 1e9
+
+
+def _int8_gemm_gflops(dev: torch.device) -> float | None:
+    """GFLOP/s (int ops/s) of torch's own int8 matmul, where this build has one; else None."""
+    try:
+        with torch.inference_mode():
+            if dev.type == "cuda":
+                if not hasattr(torch, "_int_mm"):
+                    return None
+                n = CUDA_GEMM_SIZE
+                a = torch.randint(-127, 128, (n, n), dtype=torch.int8, device=dev)
+                b = torch.randint(-127, 128, (n, n), dtype=torch.int8, device=dev)
+                return 2 * n**3 / _best_seconds(lambda: torch._int_mm(a, b), dev, 5) / 1e9
+            fn = getattr(torch, "_weight_int8pack_mm", None)
+            if fn is None:
+                return None
+            n, k = GEMM_SHAPE
+            x = torch.randn(GEMM_ROWS, k).to(torch.bfloat16)
+            w = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+            scale = torch.rand(n).to(torch.bfloat16)
+            return 2 * GEMM_ROWS * n * k / _best_seconds(lambda: fn(x, w, scale), dev, 3) / 1e9
+    except (RuntimeError, NotImplementedError, TypeError) as e:
+        logger.info("int8 GEMM not measured on %s: %s", dev, e)
+        return None
+
+
+def _quant_rates() -> tuple[dict[str, float], dict[str, float]]:
+    """Strata's CPU int8/int4 GEMV kernels: batch-1 weight GB/s (scales included) and batch-16
+    GFLOP/s, on random weights of QUANT_LINEAR_SHAPE (int4 with twice the input columns)."""
+    from strata.kernels import cpu_quant
+
+    if not cpu_quant.available():
+        return {}, {}
+    n, k = QUANT_LINEAR_SHAPE
+    group = 64
+    gbs: dict[str, float] = {}
+    gflops: dict[str, float] = {}
+    cpu = torch.device("cpu")
+    with torch.inference_mode():
+        for method in ("int8", "int4"):
+            if method == "int8":
+                cols = k
+                w = torch.randint(-127, 128, (n, cols), dtype=torch.int8)
+                s = torch.rand(n)
+            else:
+                cols = 2 * k
+                w = torch.randint(0, 256, (n, cols // 2), dtype=torch.uint8)
+                s = torch.rand(n, cols // group)
+            wn, sn = w.numpy(), s.numpy()
+            nbytes = wn.nbytes + sn.nbytes
+            for rows in (1, MATMUL_BATCH):
+                x = torch.randn(rows, cols)
+                sec = _best_seconds(lambda x=x, m=method, w=wn, s=sn: cpu_quant.gemv(m, x, w, s, group), cpu, 3)
+                if rows == 1:
+                    gbs[method] = nbytes / sec / 1e9
+                else:
+                    gflops[method] = 2 * rows * n * cols / sec / 1e9
+    return gbs, gflops
+
+
 # ---------------------------------------------------------------- probe
 
 
@@ -248,6 +437,7 @@ def _identity(dev: torch.device) -> dict[str, Any]:
 def _measure(identity: dict[str, Any]) -> HardwareProfile:
     dev = torch.device(identity["device"])
     t0 = time.perf_counter()
+    extra: dict[str, Any] = {"dispatch_us": measure_dispatch_us(str(dev))}
     if dev.type == "cuda":
         bandwidth = measure_mem_bandwidth(str(dev), nbytes=2**30, repeats=5)
         dtypes = ["float32", "float16"]
@@ -255,19 +445,38 @@ def _measure(identity: dict[str, Any]) -> HardwareProfile:
             dtypes.insert(1, "bfloat16")
         linear_gbs, _ = _linear_rates(dev, dtypes, CUDA_LINEAR_SHAPE)
         matmul_gflops = {d: measure_gemm(str(dev), DTYPES[d], CUDA_GEMM_SIZE) for d in dtypes}
+        extra["gemm_gflops"] = dict(matmul_gflops)
+        extra["sdpa_gflops"] = {d: measure_sdpa(str(dev), DTYPES[d], CUDA_SDPA_SHAPE) for d in dtypes}
+        extra["h2d_gbs"], extra["d2h_gbs"] = measure_host_copy(str(dev))
     else:
-        bandwidth = measure_mem_bandwidth("cpu")
+        # torch and numpy bandwidth interleaved, best of 3 rounds each: on a shared VM the
+        # bandwidth moves within seconds, and the two figures should see the same machine
+        meter = numpy_bandwidth_meter(NUMPY_BANDWIDTH_BYTES, max(1, int(identity["threads"])))
+        bandwidth = np_read = np_copy = 0.0
+        for _ in range(3):
+            bandwidth = max(bandwidth, measure_mem_bandwidth("cpu", repeats=2))
+            r, c = meter()
+            np_read, np_copy = max(np_read, r), max(np_copy, c)
+        del meter
+        extra.update(numpy_read_gbs=np_read, numpy_copy_gbs=np_copy)
         linear_gbs, matmul_gflops = _linear_rates(dev, list(DTYPES), CPU_LINEAR_SHAPE)
+        extra["gemm_gflops"] = _gemm_rates(list(DTYPES))
+        extra["sdpa_gflops"] = {d: measure_sdpa("cpu", DTYPES[d], CPU_SDPA_SHAPE, 3) for d in DTYPES}
+        extra["quant_linear_gbs"], extra["quant_matmul_gflops"] = _quant_rates()
+    int8 = _int8_gemm_gflops(dev)
+    if int8 is not None:
+        extra["gemm_gflops"]["int8"] = int8
     fields_ = {k: v for k, v in identity.items() if k != "schema"}
     profile = HardwareProfile(
         **fields_,
         mem_bandwidth_gbs=bandwidth,
         linear_gbs=linear_gbs,
         matmul_gflops=matmul_gflops,
+        **extra,
     )
     logger.info(
         "measured %s (%s, %d threads) in %.1f s: bandwidth %.1f GB/s, batch-1 linear GB/s %s, "
-        "batched GFLOP/s %s",
+        "batched GFLOP/s %s, GEMM GFLOP/s %s",
         profile.device,
         profile.name,
         profile.threads,
@@ -275,6 +484,7 @@ def _measure(identity: dict[str, Any]) -> HardwareProfile:
         bandwidth,
         _fmt(linear_gbs),
         _fmt(matmul_gflops),
+        _fmt(profile.gemm_gflops),
     )
     return profile
 

@@ -4,9 +4,10 @@ KV cache per layer: a tensor [2, num_blocks, block_size, num_kv_heads, head_dim]
 step arrive flattened ([T, heads, head_dim]): prefill chunks first, then one token per decode.
 
 Backends: "torch" (explicit matmul + softmax in fp32, the reference), "sdpa"
-(torch.nn.functional.scaled_dot_product_attention) and "cpu" (decodes through the numba kernel in
-cpu_attention.py, which reads K/V straight from the blocks; prefill chunks use SDPA). GPU kernels
-plug in at `paged_attention`.
+(torch.nn.functional.scaled_dot_product_attention), "cpu" (decodes through the numba kernel in
+cpu_attention.py, which reads K/V straight from the blocks; prefill chunks use SDPA) and "triton"
+(decodes through the split-K Triton kernel in kernels/triton/paged_attention.py on CUDA, imported
+only when used; prefill chunks use SDPA).
 Grouped-query attention never copies K/V per query head: the query heads sharing a KV head are
 laid out as extra query rows of that KV head.
 """
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 
 from strata.kernels import cpu_attention, cpu_rope
 
-BACKENDS = ("torch", "sdpa", "cpu")
+BACKENDS = ("torch", "sdpa", "cpu", "triton")
 
 
 @dataclass
@@ -98,12 +99,25 @@ def _prefill(q, k, v, kv_cache, span: PrefillSpan, scale: float, backend: str) -
 def _decode(q, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     if meta.backend == "cpu":
         return cpu_attention.paged_decode(q, kv_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
+    if meta.backend == "triton":  # lazy: CPU runs never import triton
+        from strata.kernels.triton.paged_attention import paged_decode_attention
+
+        return paged_decode_attention(q, kv_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
     b, heads, head_dim = q.shape
     kv_heads = kv_cache.shape[-2]
     qd = q.view(b, kv_heads, heads // kv_heads, head_dim)
     ks, vs = gather_kv(kv_cache, meta.decode_block_tables)  # [B, L, kvh, d]
     out = attend(qd, ks.transpose(1, 2), vs.transpose(1, 2), meta.decode_mask, False, scale, meta.backend)
     return out.reshape(b, heads * head_dim)
+
+
+def triton_usable(device: str) -> bool:
+    """Whether the "triton" backend can run: a CUDA device and an importable triton."""
+    if not str(device).startswith("cuda"):
+        return False
+    from strata.kernels.triton import available
+
+    return available()
 
 
 def fused_decode_usable(qkv: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> bool:

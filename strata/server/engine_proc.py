@@ -23,8 +23,6 @@ from strata.server.protocol import decode, encode, params_from_dict
 logger = logging.getLogger("strata.server.engine")
 
 IDLE_POLL_MS = 100  # how long an idle loop waits for a message before sending fresh stats
-WARMUP_PROMPT_TOKENS = 24
-WARMUP_OUTPUT_TOKENS = 4
 
 
 class EngineLoop:
@@ -146,22 +144,6 @@ class EngineLoop:
                  "status": 500} for rid in ids]
 
 
-def warm_up(engine) -> float:
-    """One short generation so kernels are compiled before the server reports ready."""
-    from strata.engine.sampling_params import SamplingParams
-
-    t0 = time.perf_counter()
-    vocab = engine.model_config.vocab_size
-    ids = [(7 * i + 3) % vocab for i in range(WARMUP_PROMPT_TOKENS)]
-    params = SamplingParams(temperature=0.0, max_tokens=WARMUP_OUTPUT_TOKENS, ignore_eos=True)
-    for i in range(2):  # two requests: batched decode paths too
-        engine.add_request(f"warmup-{i}", None, ids[i:], params)
-    while engine.has_unfinished():
-        engine.step()
-    engine.stage_seconds = dict.fromkeys(engine.stage_seconds, 0.0)
-    return time.perf_counter() - t0
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--inbox", required=True, help="ZeroMQ address to receive requests from")
@@ -184,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         from strata.engine.llm_engine import LLMEngine
 
         engine = LLMEngine(EngineConfig(**json.loads(args.config)), detokenize=False)
-        warm = warm_up(engine)
+        warm = engine.warm_up()
     except Exception as e:
         logger.error("engine failed to start:\n%s", traceback.format_exc())
         push.send(encode({"op": "fatal", "message": f"{type(e).__name__}: {e}"}))

@@ -12,17 +12,21 @@ from dataclasses import replace
 import pytest
 import torch
 
+from strata.config import DTYPES
 from strata.errors import ConfigError
 from strata.hardware import probe as probe_mod
 from strata.hardware.placement import default_threads, set_compute_threads
 from strata.hardware.probe import (
     HardwareProfile,
     auto_dtype,
+    measure_dispatch_us,
     measure_gemm,
     measure_linear,
     measure_mem_bandwidth,
+    numpy_bandwidth_meter,
     probe,
 )
+from strata.kernels import cpu_quant
 
 
 def _cpu_profile(linear_gbs: dict[str, float], matmul_gflops: dict[str, float]) -> HardwareProfile:
@@ -71,6 +75,11 @@ def tiny_probe(monkeypatch: pytest.MonkeyPatch, tmp_path) -> Iterator[list[int]]
     """probe() with a private cache dir and tiny measurements; yields a measure-call counter."""
     monkeypatch.setenv("STRATA_CACHE", str(tmp_path))
     monkeypatch.setattr(probe_mod, "CPU_LINEAR_SHAPE", (64, 32))
+    monkeypatch.setattr(probe_mod, "CPU_SDPA_SHAPE", (1, 2, 16, 16))
+    monkeypatch.setattr(probe_mod, "GEMM_SHAPE", (64, 32))
+    monkeypatch.setattr(probe_mod, "GEMM_ROWS", 32)
+    monkeypatch.setattr(probe_mod, "QUANT_LINEAR_SHAPE", (64, 64))
+    monkeypatch.setattr(probe_mod, "NUMPY_BANDWIDTH_BYTES", 2**20)
     real_bw = probe_mod.measure_mem_bandwidth
     monkeypatch.setattr(
         probe_mod, "measure_mem_bandwidth", lambda device="cpu", **_: real_bw(device, 2**20, 2)
@@ -110,6 +119,11 @@ def test_probe_caches_and_refreshes(tiny_probe: list[int], tmp_path) -> None:
     assert set(first.linear_gbs) == set(first.matmul_gflops) == {"float32", "bfloat16", "float16"}
     assert all(v > 0 and math.isfinite(v) for v in first.linear_gbs.values())
     assert first.torch_version == torch.__version__
+    assert set(DTYPES) <= set(first.gemm_gflops) and all(v > 0 for v in first.gemm_gflops.values())
+    assert first.dispatch_us > 0 and first.numpy_read_gbs > 0 and first.numpy_copy_gbs > 0
+    if cpu_quant.available():
+        assert set(first.quant_linear_gbs) == set(first.quant_matmul_gflops) == {"int8", "int4"}
+    assert first.h2d_gbs == first.d2h_gbs == 0.0  # GPU-only figures
 
     assert probe() == first and len(tiny_probe) == 1  # served from cache
     probe(refresh=True)
@@ -197,6 +211,11 @@ def test_measurements_small_sizes() -> None:
         measure_mem_bandwidth("cpu", nbytes=0)
     with pytest.raises(ConfigError):
         measure_linear(torch.randn(4, 4), batch=0)
+    assert measure_dispatch_us("cpu", calls=50) > 0
+    read, copy = numpy_bandwidth_meter(2**20, threads=2)()
+    assert read > 0 and copy > 0
+    with pytest.raises(ConfigError):
+        numpy_bandwidth_meter(0)
 
 
 def test_placement(restore_threads: None) -> None:

@@ -1,4 +1,7 @@
-"""A real `strata serve` on loopback, started as a subprocess, for the server tests."""
+"""A real `strata serve` on loopback, started as a subprocess, for the server tests.
+
+A plain module, not conftest.py: a second conftest module would shadow tests/conftest.py for
+the tests that `from conftest import ...`."""
 
 from __future__ import annotations
 

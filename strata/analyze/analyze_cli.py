@@ -1,0 +1,97 @@
+"""`strata analyze`: flags, and the offline / serve workloads."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+ANALYZE_EPILOG = """examples:
+  strata analyze --random-model smol-135m --dtype float32 --num-prompts 1 --input-len 16 --output-len 64
+  strata analyze --random-model smol-135m --dtype float32 --num-prompts 1 --input-len 512 --output-len 1
+  strata analyze --model ./qwen --num-prompts 32 --max-num-seqs 4 --html report.html
+"""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from strata.analyze import analyze as mod
+    from strata.bench.random_models import SHAPES
+    from strata.cli import add_engine_args
+
+    p = sub.add_parser("analyze", help="run a workload instrumented; attribute its time; name the bottleneck",
+                       description=mod.__doc__, epilog=ANALYZE_EPILOG,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_engine_args(p)
+    p.add_argument("--random-model", default=None, choices=sorted(SHAPES), metavar="SHAPE",
+                   help=f"random-weight checkpoint of a named shape ({', '.join(SHAPES)}); excludes --model")
+    p.add_argument("--json", default=None, metavar="FILE", help="write the analysis to FILE as JSON")
+    g = p.add_argument_group("workload")
+    g.add_argument("--workload", default="offline", choices=["offline", "serve"],
+                   help="offline: all requests at once through the engine in this process; serve: start "
+                   "`strata serve` with these flags and drive it with `strata bench serve` (default offline)")
+    g.add_argument("--request-rate", default="inf", help="serve: requests/s or inf (default inf)")
+    g.add_argument("--tokenizer-workers", type=int, default=None, help="serve: passed to strata serve")
+    g.add_argument("--num-prompts", type=int, default=16)
+    g.add_argument("--input-len", default="128", help="prompt tokens, N or A:B (default 128)")
+    g.add_argument("--output-len", default="64", help="output tokens, N or A:B (default 64)")
+    g.add_argument("--seed", type=int, default=0)
+    p.add_argument("--html", default=None, help="also write a self-contained HTML report here")
+    p.set_defaults(func=cmd_analyze)
+
+
+def _serve_args(args: argparse.Namespace) -> list[str]:
+    """The engine flags given on this command line, forwarded to `strata serve`."""
+    out = ["--random-model", args.random_model] if args.random_model else []
+    if args.model:
+        out += ["--model", args.model]
+    for flag in ("dtype", "max_model_len", "kv_cache_memory", "block_size", "max_num_seqs", "max_num_batched_tokens",
+                 "threads", "device", "quantization", "preemption_mode", "swap_space", "tokenizer_workers"):
+        v = getattr(args, flag, None)
+        if v is not None:
+            out += ["--" + flag.replace("_", "-"), str(v)]
+    if args.no_prefix_caching:
+        out.append("--no-prefix-caching")
+    return out
+
+
+def cmd_analyze_serve(args: argparse.Namespace) -> int:
+    from strata.analyze.analyze_serve import analyze_serve, format_text
+    from strata.bench.common import parse_range, resolve_model, write_json
+    from strata.bench.serve import ServeBenchConfig, parse_rate
+
+    model = resolve_model(args)
+    cfg = ServeBenchConfig(url="", num_prompts=args.num_prompts, request_rate=parse_rate(args.request_rate),
+                           input_len=parse_range(args.input_len, "--input-len"),
+                           output_len=parse_range(args.output_len, "--output-len"), seed=args.seed,
+                           tokenizer=model, progress=True)
+    a = analyze_serve(_serve_args(args), model or "demo", cfg, args.max_num_seqs)
+    print(format_text(a))
+    if args.json:
+        write_json(args.json, a.to_json())
+    return 0
+
+
+def cmd_analyze(args: argparse.Namespace) -> int:
+    if args.workload == "serve":
+        return cmd_analyze_serve(args)
+    from strata.analyze.analyze import Workload, analyze_engine
+    from strata.analyze.analyze_report import format_html, format_text
+    from strata.bench.common import parse_range, resolve_model, write_json
+    from strata.cli import engine_kwargs
+    from strata.config import EngineConfig
+    from strata.engine.llm_engine import LLMEngine
+
+    w = Workload(args.num_prompts, parse_range(args.input_len, "--input-len"),
+                 parse_range(args.output_len, "--output-len"), args.seed)
+    kw = engine_kwargs(args)
+    engine = LLMEngine(EngineConfig(model=resolve_model(args), **kw))
+    print(f"analyzing {args.num_prompts} requests on {engine.model_path} ...", file=sys.stderr)
+    analysis = analyze_engine(engine, w)
+    print(format_text(analysis))
+    if args.html:
+        with open(args.html, "w", encoding="utf-8") as f:
+            f.write(format_html(analysis))
+        print(f"wrote {args.html}", file=sys.stderr)
+    if args.json:
+        write_json(args.json, analysis.to_json())
+    return 0
+

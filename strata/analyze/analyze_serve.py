@@ -1,0 +1,139 @@
+"""`strata analyze --workload serve`: a served workload, attributed from the server's own metrics.
+
+Starts `strata serve` with the same model and engine flags on a free loopback port, drives it with
+`strata bench serve` (streaming requests at --request-rate), and reads the server's Prometheus
+counters before and after: per-request stage time (tokenize, queue, prefill, decode, detokenize,
+stream, summed over requests) and the engine loop's wall time per step phase (schedule, forward,
+sample). The engine's idle time is the run's duration minus its busy time.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import httpx
+
+from strata.analyze.analyze import QUEUE_SHARE, TOKENIZE_SHARE, Action, Verdict
+
+STAGES = ("tokenize", "queue", "prefill", "decode", "detokenize", "stream")
+PHASES = ("schedule", "forward", "sample")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def scrape(url: str) -> dict[str, float]:
+    """The server's stage and step-phase counters."""
+    out: dict[str, float] = {}
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        for prefix, key in (('strata_request_stage_seconds_total{stage="', "stage:"),
+                            ('strata_engine_step_seconds_total{phase="', "phase:")):
+            if line.startswith(prefix):
+                name = line[len(prefix):].split('"', 1)[0]
+                out[key + name] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+@dataclass
+class ServeAnalysis:
+    model: str
+    duration_s: float
+    completed: int
+    stage_s: dict[str, float]  # summed over requests
+    engine_s: dict[str, float]  # engine loop wall time per phase, plus idle
+    bench: dict[str, Any]
+    verdict: Verdict
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def serve_verdict(stage: dict[str, float], engine: dict[str, float], n: int, max_num_seqs: int,
+                  max_concurrency: int) -> Verdict:
+    total = sum(stage.values()) or 1e-9
+    busy = sum(v for k, v in engine.items() if k != "idle")
+    if stage["tokenize"] / total >= TOKENIZE_SHARE:
+        return Verdict("CPU pipeline: tokenization",
+                       f"tokenisation is {stage['tokenize'] / total:.0%} of the requests' summed latency",
+                       [Action("--tokenizer-workers N", "more tokenizer processes (on spare cores)",
+                               f"up to {1 / (1 - stage['tokenize'] / total):.2f}x lower latency")])
+    if stage["queue"] / total >= QUEUE_SHARE and max_concurrency > max_num_seqs:
+        return Verdict("scheduling / queueing",
+                       f"requests waited {stage['queue'] / total:.0%} of their latency for admission with "
+                       f"max_num_seqs={max_num_seqs} and up to {max_concurrency} requests in flight",
+                       [Action(f"--max-num-seqs {max_concurrency}", "admit every in-flight request",
+                               "queue time goes to ~0 while the KV cache holds them")])
+    if engine.get("idle", 0.0) > busy:
+        return Verdict("load (the engine waits for requests)",
+                       f"the engine was idle {engine['idle']:.1f} s of the run vs {busy:.1f} s busy",
+                       [Action("--request-rate higher", "the server has headroom at this load", "more throughput")])
+    host = engine.get("schedule", 0.0) + engine.get("sample", 0.0)
+    layer = "compute" if stage["prefill"] > stage["decode"] else "memory bandwidth (decode)"
+    return Verdict(layer, f"engine busy {busy:.1f} s: forward {engine.get('forward', 0):.1f} s, schedule+sample "
+                   f"{host:.1f} s; requests spent {stage['prefill'] / total:.0%} in prefill and "
+                   f"{stage['decode'] / total:.0%} in decode",
+                   [Action("strata analyze --workload offline", "the per-phase roofline comparison for this model",
+                           "names the kernel-level limit")])
+
+
+def analyze_serve(server_args: list[str], model_label: str, bench_cfg, max_num_seqs: int) -> ServeAnalysis:
+    from strata.bench.serve import run_benchmark
+
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "strata.cli", "serve", "--port", str(port), *server_args])
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"strata serve exited with code {proc.returncode} during start-up")
+            try:
+                if httpx.get(url + "/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("strata serve not ready after 600 s")
+            time.sleep(0.3)
+        bench_cfg.url = url
+        before = scrape(url)
+        import asyncio
+
+        result = asyncio.run(run_benchmark(bench_cfg))
+        time.sleep(1.2)  # the engine reports its counters at least once a second
+        after = scrape(url)
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    stage = {s: delta.get("stage:" + s, 0.0) for s in STAGES}
+    engine = {p: delta.get("phase:" + p, 0.0) for p in PHASES}
+    engine["idle"] = max(0.0, result.duration_s - sum(engine.values()))
+    v = serve_verdict(stage, engine, result.completed, max_num_seqs, result.max_concurrency_observed)
+    bench = {k: getattr(result, k) for k in ("completed", "failed", "duration_s", "request_throughput",
+                                              "output_throughput", "ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")}
+    return ServeAnalysis(model_label, result.duration_s, result.completed, stage, engine, bench, v)
+
+
+def format_text(a: ServeAnalysis) -> str:
+    total = sum(a.stage_s.values()) or 1e-9
+    out = [f"strata analyze --workload serve: {a.model}",
+           f"{a.completed} requests in {a.duration_s:.1f} s; output {a.bench['output_throughput']:.1f} tok/s; "
+           f"TTFT p50 {a.bench['ttft_ms']['p50']:.0f} ms p99 {a.bench['ttft_ms']['p99']:.0f} ms; "
+           f"TPOT p50 {a.bench['tpot_ms']['p50']:.1f} ms p99 {a.bench['tpot_ms']['p99']:.1f} ms", "",
+           "request time by stage (summed over requests)"]
+    for s in STAGES:
+        out.append(f"  {s:12s} {a.stage_s[s]:9.3f} s  {a.stage_s[s] / total:6.1%}")
+    out.append("engine loop: " + ", ".join(f"{k} {v:.2f} s" for k, v in a.engine_s.items()))
+    out += ["", f"verdict: limited by {a.verdict.layer}", f"  {a.verdict.evidence}"]
+    out += [f"  {i}. {x.flag}: {x.why} (predicted: {x.predicted_gain})" for i, x in enumerate(a.verdict.actions, 1)]
+    return "\n".join(out)

@@ -1,0 +1,200 @@
+"""What a Strata decode step costs beyond moving bytes and doing FLOPs, measured (and cached).
+
+A decode step is not only GEMVs: there is Python per layer (module calls, kernel dispatch, norms,
+rotary, attention bookkeeping) and per step (scheduler, runner tensors, sampler). Those costs do
+not scale with the weights, so they are measured directly: the real engine decodes with
+random-weight models too small for bytes or FLOPs to matter (hidden 64), at two depths and a few
+batch sizes. Whatever the kernel model (plan.py) does not explain in those steps is the
+overhead: per-layer = the slope between the two depths, per-step = the rest. Linear in batch
+between the measured batch sizes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from strata.config import cache_root
+
+logger = logging.getLogger(__name__)
+
+SCHEMA = 1
+DEPTHS = (2, 10)
+BATCHES = (1, 16, 64)
+PROMPT_LEN = 32
+DECODE_STEPS = 24
+SHAPE = {  # tiny: ~0.1 MB of weights per layer, L2-resident; only the fixed costs remain
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+    "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "vocab_size": 512, "tie_word_embeddings": True, "rope_theta": 10000.0, "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 256, "bos_token_id": 1, "eos_token_id": 2,
+}
+
+
+@dataclass(frozen=True)
+class StepOverhead:
+    """Seconds per decode step not explained by bytes and FLOPs: per_step + per_layer x layers,
+    each linear in batch between the measured batch sizes."""
+
+    batches: list[int]
+    per_step_s: list[float]
+    per_layer_s: list[float]
+    measured: dict[str, float]  # "layers=L,batch=B" -> measured median step seconds (tiny model)
+    device: str
+    dtype: str
+    quantization: str | None
+
+    def at(self, batch: int, layers: int) -> float:
+        return max(0.0, _interp(self.batches, self.per_step_s, batch)
+                   + layers * _interp(self.batches, self.per_layer_s, batch))
+
+    def to_json(self) -> dict:
+        return {"schema": SCHEMA, **asdict(self)}
+
+    @classmethod
+    def from_json(cls, d: dict) -> StepOverhead:
+        if d.get("schema") != SCHEMA:
+            raise ValueError(f"overhead schema {d.get('schema')!r} != {SCHEMA}")
+        return cls(
+            batches=[int(b) for b in d["batches"]], per_step_s=[float(x) for x in d["per_step_s"]],
+            per_layer_s=[float(x) for x in d["per_layer_s"]],
+            measured={str(k): float(v) for k, v in d["measured"].items()}, device=str(d["device"]),
+            dtype=str(d["dtype"]), quantization=d["quantization"],
+        )
+
+    @classmethod
+    def zero(cls, device: str = "none", dtype: str = "float32") -> StepOverhead:
+        return cls([1], [0.0], [0.0], {}, device, dtype, None)
+
+
+def _interp(xs: list[int], ys: list[float], x: float) -> float:
+    """Piecewise-linear in x, extended linearly past the ends."""
+    if len(xs) == 1:
+        return ys[0]
+    for i in range(len(xs) - 1):
+        if x <= xs[i + 1] or i == len(xs) - 2:
+            x0, x1, y0, y1 = xs[i], xs[i + 1], ys[i], ys[i + 1]
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return ys[-1]
+
+
+def _checkpoint(layers: int) -> Path:
+    """A random-weight checkpoint of SHAPE with `layers` layers, written once under the cache."""
+    from safetensors.torch import save_file
+
+    from strata.bench.random_models import random_state_dict
+
+    cfg = dict(SHAPE, num_hidden_layers=layers, torch_dtype="float32")
+    out = cache_root() / f"calib-{layers}l"
+    if (out / "model.safetensors").is_file():
+        return out
+    tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    save_file(random_state_dict(cfg), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    (tmp / "config.json").write_text(json.dumps(cfg))
+    try:
+        tmp.rename(out)
+    except OSError:  # another process won the race
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _decode_step_seconds(engine, batch: int) -> float:
+    """Median seconds of a decode step with `batch` sequences (prefill steps excluded)."""
+    from strata import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=DECODE_STEPS, ignore_eos=True)
+    for i in range(batch):
+        ids = [3 + (7 * i + j) % (SHAPE["vocab_size"] - 3) for j in range(PROMPT_LEN)]
+        engine.add_request(f"calib-{batch}-{i}", None, ids, params)
+    times = []
+    while engine.has_unfinished():
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    prefill_steps = -(-batch * PROMPT_LEN // engine.config.max_num_batched_tokens)
+    return statistics.median(times[prefill_steps + 1 :])
+
+
+def measure_overhead(
+    device: str, dtype: torch.dtype, quantization: str | None,
+    kernel_seconds: Callable[[object, int, int], float],
+) -> StepOverhead:
+    """Measure the engine on the tiny models; `kernel_seconds(cfg, batch, context)` is the plan's
+    own prediction of the bytes-and-FLOPs part, subtracted from each measured step."""
+    from strata.config import EngineConfig
+    from strata.engine.llm_engine import LLMEngine
+    from strata.graph.model_config import ModelConfig
+
+    dname = str(dtype).replace("torch.", "")
+    measured: dict[str, float] = {}
+    residual: dict[tuple[int, int], float] = {}
+    t0 = time.perf_counter()
+    for layers in DEPTHS:
+        path = _checkpoint(layers)
+        engine = LLMEngine(EngineConfig(
+            model=str(path), dtype=dname, device=device, max_model_len=PROMPT_LEN + DECODE_STEPS + 8,
+            max_num_seqs=max(BATCHES), kv_cache_memory=max(BATCHES) * 8 * 2**20 // 64 + 2**20,
+            quantization=quantization, enable_prefix_caching=False, num_threads=torch.get_num_threads(),
+        ))
+        cfg = ModelConfig.from_file(path / "config.json")
+        _decode_step_seconds(engine, 1)  # warm-up: kernels compiled, pages touched
+        for batch in BATCHES:
+            sec = min(_decode_step_seconds(engine, batch) for _ in range(2))
+            measured[f"layers={layers},batch={batch}"] = sec
+            residual[layers, batch] = sec - kernel_seconds(cfg, batch, PROMPT_LEN + DECODE_STEPS // 2)
+        del engine
+    lo, hi = DEPTHS
+    per_layer = [max(0.0, (residual[hi, b] - residual[lo, b]) / (hi - lo)) for b in BATCHES]
+    per_step = [max(0.0, residual[lo, b] - lo * pl) for b, pl in zip(BATCHES, per_layer)]
+    logger.info("step overhead measured in %.1f s: per step %s ms, per layer %s ms (batches %s)",
+                time.perf_counter() - t0, [f"{x * 1e3:.2f}" for x in per_step],
+                [f"{x * 1e3:.3f}" for x in per_layer], list(BATCHES))
+    return StepOverhead(list(BATCHES), per_step, per_layer, measured, device, dname, quantization)
+
+
+def _cache_path(device: str, dtype: str, quantization: str | None) -> Path:
+    from strata.hardware.probe import _cpu_info
+
+    ident = {
+        "schema": SCHEMA, "device": device, "dtype": dtype, "quantization": quantization,
+        "threads": torch.get_num_threads(), "torch": torch.__version__, "cpu": _cpu_info()[0],
+    }
+    key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_root() / f"step-overhead-{key}.json"
+
+
+def step_overhead(
+    device: str, dtype: torch.dtype, quantization: str | None,
+    kernel_seconds: Callable[[object, int, int], float], refresh: bool = False,
+) -> StepOverhead:
+    """Cached `measure_overhead` (keyed by device, dtype, quantisation, threads, torch, CPU)."""
+    dname = str(dtype).replace("torch.", "")
+    path = _cache_path(device, dname, quantization)
+    if not refresh:
+        try:
+            return StepOverhead.from_json(json.loads(path.read_text()))
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            logger.warning("ignoring unreadable overhead cache %s (%s)", path, e)
+    result = measure_overhead(device, dtype, quantization, kernel_seconds)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(result.to_json(), indent=2))
+        os.replace(tmp, path)
+    except OSError as e:
+        logger.warning("could not cache step overhead at %s: %s", path, e)
+    return result

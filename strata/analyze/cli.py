@@ -1,0 +1,94 @@
+"""`strata hw` and `strata plan` (registered by strata/cli.py)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+HW_EPILOG = """examples:
+  strata hw                 # identity + measured figures (cached under $STRATA_CACHE)
+  strata hw --refresh       # re-measure
+  strata hw --json          # everything as JSON
+"""
+
+PLAN_EPILOG = """examples:
+  strata plan --model smol-135m --hardware this --dtype float32
+  strata plan --model ./Llama-3-8B --hardware H100x8 --max-model-len 8192 --batch 256 --price-per-hour 24
+  strata plan --model ./qwen/config.json --hardware L4 --quantization int4 --html plan.html
+  strata plan --model qwen-0.5b --hardware this --dtype float32 --input-len 512 --context 192 --batch 16
+"""
+
+
+def cmd_hw(args: argparse.Namespace) -> int:
+    from strata.hardware.report import build_report, format_report
+
+    report = build_report(refresh=args.refresh)
+    if args.json:
+        print(json.dumps(report, indent=2, default=str))
+    else:
+        print(format_report(report))
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from strata.analyze.plan import PlanRequest, build_plan
+    from strata.analyze.plan_report import format_html, format_text
+    from strata.config import parse_bytes
+
+    req = PlanRequest(
+        model=args.model, hardware=args.hardware, dtype=args.dtype, quantization=args.quantization,
+        group_size=args.quantization_group_size, max_model_len=args.max_model_len, batch=args.batch,
+        input_len=args.input_len, context=args.context,
+        kv_cache_memory=parse_bytes(args.kv_cache_memory, "--kv-cache-memory") if args.kv_cache_memory else None,
+        memory_fraction=args.memory_fraction, max_num_seqs=args.max_num_seqs, block_size=args.block_size,
+        max_num_batched_tokens=args.max_num_batched_tokens, price_per_hour=args.price_per_hour,
+        alpha_us=args.alpha_us, refresh=args.refresh,
+    )
+    plan = build_plan(req)
+    if args.html:
+        Path(args.html).write_text(format_html(plan))
+        print(f"wrote {args.html}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(plan.to_json(), indent=2, default=str))
+    else:
+        print(format_text(plan))
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    hw = sub.add_parser("hw", help="this machine: CPU, caches, memory, GPUs, links; measured bandwidth and FLOP/s",
+                        epilog=HW_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    hw.add_argument("--json", action="store_true", help="print JSON instead of the report")
+    hw.add_argument("--refresh", action="store_true", help="re-measure instead of reading the cache")
+    hw.set_defaults(func=cmd_hw)
+
+    from strata.analyze import plan as plan_mod
+
+    p = sub.add_parser("plan", help="memory, roofline, parallelism and cost of a model on named or this hardware",
+                       description=plan_mod.__doc__, epilog=PLAN_EPILOG,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="HF directory, config.json, or a random shape (smol-135m, "
+                   "qwen-0.5b, tiny)")
+    p.add_argument("--hardware", default="this", help="NAME, NAMExN (e.g. H100x8) or 'this' (default)")
+    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (default auto, as the engine)")
+    p.add_argument("--quantization", default=None, choices=["int8", "int4"])
+    p.add_argument("--quantization-group-size", type=int, default=64, choices=[32, 64, 128])
+    p.add_argument("--max-model-len", type=int, default=None, help="L (default: the model's max positions)")
+    p.add_argument("--batch", type=int, default=64, help="largest decode batch B (default 64)")
+    p.add_argument("--input-len", type=int, default=None, help="prefill prompt tokens (default L)")
+    p.add_argument("--context", type=int, default=None, help="decode context per sequence (default L)")
+    p.add_argument("--kv-cache-memory", default=None, help="KV cache size as the engine flag, e.g. 2GiB")
+    p.add_argument("--memory-fraction", type=float, default=0.5,
+                   help="this: share of free memory for KV when --kv-cache-memory is unset (engine default 0.5)")
+    p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--price-per-hour", type=float, default=None, help="for all N devices, e.g. 24.0")
+    p.add_argument("--alpha-us", type=float, default=None,
+                   help="all-reduce per-message latency (default 5 us NVLink/IF, 10 us PCIe: an assumption)")
+    p.add_argument("--refresh", action="store_true", help="this: re-measure the hardware and step overhead")
+    p.add_argument("--html", default=None, metavar="FILE", help="also write a self-contained HTML page")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the text report")
+    p.set_defaults(func=cmd_plan)

@@ -1,0 +1,705 @@
+"""FX fusion passes: trace the decoder's step, find its small-op patterns, replace each by one op.
+
+What is traced
+--------------
+The model's own `CausalLM.forward` (graph/models/llama.py), whole, on the engine's path: attention
+metadata present and tokens flattened to [T, ...]. The model file is not changed for this; tracing
+relies on three things, all in this module:
+
+- Leaves. Projections (Linear, QuantLinear), embeddings and the rotary table lookup stay
+  call_module leaves (their forward is kernel dispatch). Attention over the paged cache is one leaf
+  function, `attend_cached`, because its prefill/decode split is Python control flow over the
+  metadata; the KV-cache write in front of it (`attention.write_kv`) is traced, so the passes see it.
+- Reference paths. The hand-placed CPU kernels are chosen at run time from shapes and dtypes
+  (cpu_gemv.few_fp32_rows, llama.fused_decode_usable, the quantised SwiGLU epilogue). For the
+  duration of the trace those predicates answer False, so the graph holds the torch reference ops
+  that the patterns describe. The fused ops choose their kernel at run time themselves. (The patch
+  is process-wide while it lasts: do not trace while another thread runs a forward.)
+- Static facts. `x.dtype == torch.float32` (RMSNorm's branch) is answered with the model's dtype, so
+  the graph is specialised to it, and `*qkv.shape[:-1]` unpacks to one leading dimension (the
+  engine's [T] tokens). Anything else that needs a value raises a TraceError naming it.
+
+Passes (torch.fx.subgraph_rewriter; literals, slices included, are re-checked by a filter)
+--------------------------------------------------------------------------------------------
+  add_rms_norm  x + residual, then RMSNorm          -> strata::add_rms_norm
+  silu_mul      silu(gate_up[..., :I]) * gate_up[..., I:]   -> strata::silu_mul
+  rotary_qk     rotate-half rotary of q and of k     -> strata::rotary_qk. Llama, Mistral and Qwen2
+                                                        rotate q and k as one [T, h + kvh, d] view
+                                                        and then split it (one pattern); Qwen3
+                                                        rotates them separately after its q/k
+                                                        norms (each rotation is rewritten, then the
+                                                        two of a layer are paired into one op)
+  kv_write      k and v index_copy_ into the cache   -> strata::kv_write
+
+For a model of L layers the counts are fixed by its structure (`expected_counts`): add_rms_norm 2L
+(every layer's post-attention norm, the input norm of layers 1..L-1 - layer 0's has no residual to
+add - and the final norm), and L of each of the others. Qwen3's q/k norms have no add and stay
+plain RMSNorm.
+
+The fused ops
+-------------
+Each is a `torch.library.custom_op` in the "strata" namespace. Its default implementation is the
+torch reference (`*_ref`, the test oracle), except add_rms_norm, which runs the numba kernel of
+kernels/cpu_norm.py where it applies (few fp32 CPU rows), exactly as the eager model does. GPU
+kernels plug in through `register_gpu_kernels()`, which registers the Triton functions of
+`strata.kernels.triton` (when importable) as the ops' CUDA kernels.
+
+More ops make the kernels that the compiled decode step calls opaque to torch.compile
+(graph/capture.py): strata::linear (kernels/linear.py dispatch: the numba GEMV on CPU),
+strata::paged_decode (decode attention over the paged cache: the numba kernel on CPU, the Triton
+kernel on CUDA when registered), and on CPU the eager step's two other hand-fused kernels,
+strata::linear_swiglu (GEMV with SwiGLU epilogue) and strata::rope_store (rotary + KV write).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import operator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.fx.subgraph_rewriter import replace_pattern_with_filters
+
+from strata.graph.layers import GatedMLP, RMSNorm, apply_rotary
+from strata.graph.models.llama import Attention, CausalLM, DecoderLayer
+from strata.kernels import attention as attn
+from strata.kernels import cpu_attention, cpu_gemv, cpu_norm, cpu_rope
+from strata.kernels.attention import AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+PATTERNS = ("add_rms_norm", "silu_mul", "rotary_qk", "kv_write")
+
+
+# --- the fused ops ------------------------------------------------------------------------------
+
+
+def add_rms_norm_ref(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(RMSNorm(x + residual) * weight, x + residual): graph.layers.RMSNorm's torch path, op for op."""
+    h = x + residual
+    if h.dtype == torch.float32:
+        return F.rms_norm(h, (h.shape[-1],), weight, eps), h
+    hf = h.float()
+    hf = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * hf.to(h.dtype), h
+
+
+def silu_mul_ref(gate_up: Tensor) -> Tensor:
+    """SiLU(gate) * up for gate_up = [..., 2I] = [gate | up]: graph.layers.GatedMLP's torch path."""
+    inter = gate_up.shape[-1] // 2
+    return F.silu(gate_up[..., :inter]) * gate_up[..., inter:]
+
+
+def rotary_ref(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    return apply_rotary(x, (cos, sin))
+
+
+def rotary_qk_ref(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    return apply_rotary(q, (cos, sin)), apply_rotary(k, (cos, sin))
+
+
+def kv_write_ref(kv_cache: Tensor, k: Tensor, v: Tensor, slots: Tensor) -> None:
+    attn.write_kv(kv_cache, k, v, slots)
+
+
+@torch.library.custom_op("strata::add_rms_norm", mutates_args=())
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """Residual add + RMSNorm: (normed, x + residual)."""
+    if cpu_norm.usable(x, weight):  # the eager model's CPU kernel for few fp32 rows
+        out, new_residual = cpu_norm.add_rms_norm(x, residual, weight, eps)
+        return out, new_residual
+    return add_rms_norm_ref(x, residual, weight, eps)
+
+
+@add_rms_norm.register_fake
+def _(x, residual, weight, eps):
+    return torch.empty_like(x), torch.empty_like(x)
+
+
+@torch.library.custom_op("strata::silu_mul", mutates_args=())
+def silu_mul(gate_up: Tensor) -> Tensor:
+    """SiLU(gate) * up of the fused gate/up projection [..., 2I] -> [..., I]."""
+    return silu_mul_ref(gate_up)
+
+
+@silu_mul.register_fake
+def _(gate_up):
+    return gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+
+
+@torch.library.custom_op("strata::rotary_qk", mutates_args=())
+def rotary_qk(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """Rotate-half rotary of q [T, h, d] and k [T, kvh, d] with cos/sin [T, 1, d], in one op."""
+    return rotary_qk_ref(q, k, cos, sin)
+
+
+@rotary_qk.register_fake
+def _(q, k, cos, sin):
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype, device=k.device)
+
+
+@torch.library.custom_op("strata::kv_write", mutates_args=("kv_cache",))
+def kv_write(kv_cache: Tensor, k: Tensor, v: Tensor, slots: Tensor) -> None:
+    """Store k and v [T, kvh, d] at their flat slots of the paged cache [2, blocks, bs, kvh, d]."""
+    kv_write_ref(kv_cache, k, v, slots)
+
+
+@kv_write.register_fake
+def _(kv_cache, k, v, slots):
+    return None
+
+
+# The two kernel wrappers that make a captured step opaque to dynamo are declared with the
+# lower-level torch.library API: a call costs ~5 us of dispatch here against ~9 us for a
+# torch.library.custom_op (measured, inference mode), and there are 8 such calls per layer.
+_KERNELS = torch.library.Library("strata", "FRAGMENT")  # kept alive: it owns the registrations
+_KERNELS.define("linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+_KERNELS.define(
+    "paged_decode(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor context_lens, Tensor? mask, "
+    "float scale, str backend) -> Tensor"
+)
+_KERNELS.define("linear_swiglu(Tensor x, Tensor gate_up_weight) -> Tensor")
+_KERNELS.define(
+    "rope_store(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) kv_cache, Tensor slots, int heads, "
+    "int kv_heads) -> Tensor"
+)
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """strata::linear: x @ weight.T (+ bias) through kernels/linear.py (numba GEMV, few fp32 CPU rows)."""
+    from strata.kernels.linear import linear as dispatch
+
+    return dispatch(x, weight, bias)
+
+
+def paged_decode(
+    q: Tensor, kv_cache: Tensor, block_tables: Tensor, context_lens: Tensor, mask: Tensor | None,
+    scale: float, backend: str,
+) -> Tensor:
+    """strata::paged_decode: decode attention of q [B, heads, d] over the paged cache -> [B, heads * d]."""
+    if backend == "cpu" and cpu_attention.usable(q, kv_cache):
+        return cpu_attention.paged_decode(q, kv_cache, block_tables, context_lens, scale)
+    meta = AttentionMetadata(q.new_empty(0, dtype=torch.long), [], 0, block_tables, mask, context_lens, backend)
+    return attn._decode(q, kv_cache, meta, scale)
+
+
+def linear_swiglu(x: Tensor, gate_up_weight: Tensor) -> Tensor:
+    """strata::linear_swiglu: silu(x @ gate.T) * (x @ up.T) for a [gate; up] weight (no bias): the
+    numba GEMV with its SwiGLU epilogue for few fp32 CPU rows, else linear then silu_mul_ref."""
+    if cpu_gemv.usable(x, gate_up_weight):
+        return cpu_gemv.gemv_swiglu(x, gate_up_weight)
+    from strata.kernels.linear import linear as dispatch
+
+    return silu_mul_ref(dispatch(x, gate_up_weight, None))
+
+
+def rope_store(qkv: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor, slots: Tensor, heads: int, kv_heads: int) -> Tensor:
+    """strata::rope_store: rotate q and k of the fused qkv rows [T, (h + 2 kvh) * d], store k and v at
+    `slots`, return rotated q [T, h, d]: the numba kernel of kernels/cpu_rope.py for few fp32 CPU
+    rows, else rotary_qk_ref + write_kv."""
+    if cpu_rope.usable(qkv, kv_cache):
+        return cpu_rope.rope_and_store(qkv, (cos, sin), slots, kv_cache, heads, kv_heads)
+    dim = cos.shape[-1]
+    rows = qkv.view(*qkv.shape[:-1], heads + 2 * kv_heads, dim)
+    q, k = rotary_qk_ref(rows[..., :heads, :], rows[..., heads : heads + kv_heads, :], cos, sin)
+    attn.write_kv(kv_cache, k, rows[..., heads + kv_heads :, :], slots)
+    return q
+
+
+_KERNELS.impl("linear", linear, "CompositeExplicitAutograd")
+_KERNELS.impl("paged_decode", paged_decode, "CompositeExplicitAutograd")
+_KERNELS.impl("linear_swiglu", linear_swiglu, "CompositeExplicitAutograd")
+_KERNELS.impl("rope_store", rope_store, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("strata::linear")
+def _(x, weight, bias):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+@torch.library.register_fake("strata::paged_decode")
+def _(q, kv_cache, block_tables, context_lens, mask, scale, backend):
+    return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+
+
+@torch.library.register_fake("strata::linear_swiglu")
+def _(x, gate_up_weight):
+    return x.new_empty(*x.shape[:-1], gate_up_weight.shape[0] // 2)
+
+
+@torch.library.register_fake("strata::rope_store")
+def _(qkv, cos, sin, kv_cache, slots, heads, kv_heads):
+    return qkv.new_empty(*qkv.shape[:-1], heads, cos.shape[-1])
+
+
+OPS = {"add_rms_norm": add_rms_norm, "silu_mul": silu_mul, "rotary_qk": rotary_qk, "kv_write": kv_write}
+
+
+def _triton_kernels(tk) -> dict[str, Callable]:
+    """The ops' CUDA kernels from strata.kernels.triton (whose functions take the same tensors)."""
+    return {
+        "add_rms_norm": lambda x, residual, weight, eps: tk.add_rms_norm(x, residual, weight, eps),
+        "silu_mul": lambda gate_up: tk.silu_and_mul(gate_up),
+        "rotary_qk": lambda q, k, cos, sin: tk.apply_rotary_qk(q, k, (cos, sin)),
+        "kv_write": lambda kv_cache, k, v, slots: tk.write_kv(kv_cache, k, v, slots),
+        "paged_decode": lambda q, kv_cache, block_tables, context_lens, mask, scale, backend: (
+            tk.paged_decode_attention(q, kv_cache, block_tables, context_lens, scale)
+        ),
+    }
+
+
+def register_gpu_kernels() -> list[str]:
+    """Register the Triton kernels of strata.kernels.triton as the fused ops' CUDA kernels.
+
+    This is the one place a GPU implementation plugs in (torch.library's per-device kernel
+    registration): without triton, or without that package, every op runs its torch reference
+    on CUDA too. Returns the names registered.
+    """
+    try:
+        from strata.kernels import triton as tk  # optional GPU kernels
+    except ImportError as e:
+        logger.debug("no strata.kernels.triton (%s); the fused ops run their torch references on CUDA", e)
+        return []
+    if not tk.available():
+        return []
+    done = []
+    for name, fn in _triton_kernels(tk).items():
+        if name in OPS:
+            OPS[name].register_kernel("cuda")(fn)
+        else:
+            _KERNELS.impl(name, fn, "CUDA")
+        done.append(name)
+    logger.info("fused ops: Triton CUDA kernels registered for %s", ", ".join(done))
+    return done
+
+
+# --- tracing -------------------------------------------------------------------------------------
+
+
+@torch.fx.wrap
+def attend_cached(q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
+    """attention.paged_attention after its KV write: one leaf in the traced graph.
+
+    Under torch.compile the all-decode case goes through the opaque strata::paged_decode op (dynamo
+    cannot trace the numba kernel); eagerly it calls the same dispatch directly.
+    """
+    p = meta.num_prefill_tokens
+    if p == 0:
+        if torch.compiler.is_compiling():
+            return torch.ops.strata.paged_decode.default(
+                q, kv_cache, meta.decode_block_tables, meta.decode_context_lens, meta.decode_mask, scale, meta.backend
+            )
+        return attn._decode(q, kv_cache, meta, scale)
+    parts = [attn._prefill(q, k, v, kv_cache, s, scale, meta.backend) for s in meta.prefills]
+    if p < q.shape[0]:
+        parts.append(attn._decode(q[p:], kv_cache, meta, scale))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+
+
+def _traced_paged_attention(q, k, v, kv_cache, meta, scale):
+    """attention.paged_attention split into its traced KV write and the attention leaf."""
+    attn.write_kv(kv_cache, k, v, meta.slot_mapping)
+    return attend_cached(q, k, v, kv_cache, meta, scale)
+
+
+@contextlib.contextmanager
+def _reference_paths() -> Iterator[None]:
+    """Make the model's run-time kernel choices take their torch paths while tracing."""
+    from strata.graph.models import llama
+    from strata.memory import quant
+
+    patches = [
+        (cpu_gemv, "few_fp32_rows", lambda *a, **k: False),  # cpu_norm / cpu_rope / GEMV SwiGLU epilogue
+        (llama, "fused_decode_usable", lambda *a, **k: False),
+        (llama, "paged_attention", _traced_paged_attention),
+        (quant, "quant_swiglu", lambda *a, **k: None),
+    ]
+    saved = [(mod, name, getattr(mod, name)) for mod, name, _ in patches]
+    try:
+        for mod, name, value in patches:
+            setattr(mod, name, value)
+        yield
+    finally:
+        for mod, name, value in saved:
+            setattr(mod, name, value)
+
+
+_TRACED_THROUGH = (CausalLM, DecoderLayer, Attention, GatedMLP, RMSNorm, nn.ModuleList)
+
+
+def _is_lead_shape(n: fx.Node) -> bool:
+    """`x.shape[:-1]`: the leading dims of a row tensor."""
+    return (
+        n.op == "call_function" and n.target is operator.getitem and n.args[1] == slice(None, -1, None)
+        and isinstance(n.args[0], fx.Node) and n.args[0].target is getattr and n.args[0].args[1] == "shape"
+    )
+
+
+class _StepProxy(fx.Proxy):
+    def __len__(self) -> int:
+        if _is_lead_shape(self.node):
+            return 1  # the engine's tokens are flattened: [T, features]
+        return super().__len__()
+
+
+class StepTracer(fx.Tracer):
+    """fx.Tracer for the engine's step: structure modules traced through, kernels as leaves."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype = dtype
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return _StepProxy(node, self)
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return not isinstance(m, _TRACED_THROUGH)
+
+    def to_bool(self, obj: fx.Proxy) -> bool:
+        n = obj.node
+        if (
+            n.op == "call_function" and n.target in (operator.eq, operator.ne)
+            and isinstance(n.args[0], fx.Node) and n.args[0].target is getattr
+            and n.args[0].args[1] == "dtype" and isinstance(n.args[1], torch.dtype)
+        ):
+            same = self.dtype == n.args[1]
+            return same if n.target is operator.eq else not same
+        raise fx.proxy.TraceError(
+            f"fusion tracer: cannot decide `{n.format_node()}` without values; only comparisons of "
+            "an activation's dtype are answered (with the model's dtype)"
+        )
+
+    def iter(self, obj: fx.Proxy) -> Iterator:
+        if _is_lead_shape(obj.node):
+            return iter([obj[0]])  # x.shape[:-1] of the engine's flattened [T, features] rows
+        return super().iter(obj)
+
+
+def trace_model(model: CausalLM) -> fx.GraphModule:
+    """The engine step of `model` as an FX graph (reference torch ops; see the module docstring)."""
+    dtype = model.norm.weight.dtype
+    tracer = StepTracer(dtype)
+    with _reference_paths():
+        graph = tracer.trace(model)
+    gm = fx.GraphModule(tracer.root, graph, "TracedStep")
+    dce(gm.graph)
+    _cse_getitems(gm.graph)
+    gm.recompile()
+    return gm
+
+
+# --- graph hygiene ---------------------------------------------------------------------------------
+
+_PURE_FUNCTIONS = {getattr, slice, operator.getitem, operator.eq, operator.ne, operator.floordiv, operator.neg}
+
+
+def dce(graph: fx.Graph) -> None:
+    """Drop unused nodes that are known to be pure (the traced dtype checks, shape arithmetic)."""
+    changed = True
+    while changed:
+        changed = False
+        for n in reversed(graph.nodes):
+            if n.users:
+                continue
+            if n.op == "get_attr" or (n.op == "call_function" and n.target in _PURE_FUNCTIONS) or (
+                n.op == "call_method" and n.target in ("view", "size", "dim")
+            ):
+                graph.erase_node(n)
+                changed = True
+
+
+def _cse_getitems(graph: fx.Graph) -> None:
+    """One node per `rope[i]` / `kv_caches[i]` (indexing an input or a leaf's tuple output)."""
+    seen: dict[tuple, fx.Node] = {}
+    for n in list(graph.nodes):
+        if n.op == "call_function" and n.target is operator.getitem and isinstance(n.args[0], fx.Node) \
+                and n.args[0].op in ("placeholder", "call_module") and isinstance(n.args[1], int):
+            key = (n.args[0], n.args[1])
+            if key in seen:
+                n.replace_all_uses_with(seen[key])
+                graph.erase_node(n)
+            else:
+                seen[key] = n
+
+
+# --- the passes --------------------------------------------------------------------------------------
+
+_ANY_EPS = 0.4242421  # literal wildcard in the norm patterns: the matched eps is carried over
+
+
+def _norm_pattern_fp32(x, residual, weight):
+    h = x + residual
+    return F.rms_norm(h, (h.shape[-1],), weight, _ANY_EPS), h
+
+
+def _norm_pattern_lowp(x, residual, weight):
+    h = x + residual
+    hf = h.float()
+    hf = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + _ANY_EPS)
+    return weight * hf.to(h.dtype), h
+
+
+def _norm_replacement(eps: float) -> Callable:
+    def replacement(x, residual, weight):
+        out = torch.ops.strata.add_rms_norm.default(x, residual, weight, eps)
+        return out[0], out[1]
+
+    return replacement
+
+
+def _silu_pattern(inter: int) -> Callable:
+    def pattern(gate_up):  # graph.layers.GatedMLP, op for op
+        return F.silu(gate_up[..., :inter]) * gate_up[..., inter:]
+
+    return pattern
+
+
+def _silu_replacement(gate_up):
+    return torch.ops.strata.silu_mul.default(gate_up)
+
+
+def _joint_rotary_pattern(heads: int) -> Callable:
+    def pattern(qk, cos, sin):  # Attention.forward without q/k norm: rotate q|k in one view, split
+        r = apply_rotary(qk, (cos, sin))
+        return r[..., :heads, :], r[..., heads:, :]
+
+    return pattern
+
+
+def _joint_rotary_replacement(heads: int) -> Callable:
+    def replacement(qk, cos, sin):
+        out = torch.ops.strata.rotary_qk.default(qk[..., :heads, :], qk[..., heads:, :], cos, sin)
+        return out[0], out[1]
+
+    return replacement
+
+
+def _rotary_pattern(x, cos, sin):
+    return apply_rotary(x, (cos, sin))
+
+
+@torch.fx.wrap
+def rotate_one(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """One tensor's rotation: a leaf marking it for _pair_rotaries (left unpaired, it is correct)."""
+    return rotary_ref(x, cos, sin)
+
+
+def _rotary_replacement(x, cos, sin):
+    return rotate_one(x, cos, sin)
+
+
+def _kv_pattern(kv_cache, k, v, slots):  # attention.write_kv, op for op
+    kv_heads, head_dim = k.shape[-2:]
+    a = kv_cache[0].view(-1, kv_heads, head_dim).index_copy_(0, slots, k)
+    b = kv_cache[1].view(-1, kv_heads, head_dim).index_copy_(0, slots, v)
+    return a, b
+
+
+def _kv_replacement(kv_cache, k, v, slots):
+    done = torch.ops.strata.kv_write.default(kv_cache, k, v, slots)
+    return done, done
+
+
+def _same_literal(p, g, nodes_map: dict, wildcards: tuple) -> bool:
+    """Pattern argument `p` equals graph argument `g`: literals by value (inside slices and
+    tuples too), nodes by the match, or structurally for nodes the matcher never visited (the
+    operands of a slice)."""
+    if isinstance(p, fx.Node):
+        if not isinstance(g, fx.Node):
+            return p.op == "placeholder"
+        if p in nodes_map:
+            return nodes_map[p] is g
+        return (
+            p.op == g.op and p.target == g.target and len(p.args) == len(g.args)
+            and all(_same_literal(a, b, nodes_map, wildcards) for a, b in zip(p.args, g.args))
+            and p.kwargs.keys() == g.kwargs.keys()
+            and all(_same_literal(p.kwargs[k], g.kwargs[k], nodes_map, wildcards) for k in p.kwargs)
+        )
+    if isinstance(p, slice):
+        return isinstance(g, slice) and all(
+            _same_literal(a, b, nodes_map, wildcards)
+            for a, b in ((p.start, g.start), (p.stop, g.stop), (p.step, g.step))
+        )
+    if isinstance(p, list | tuple):
+        return isinstance(g, list | tuple) and len(p) == len(g) and all(
+            _same_literal(a, b, nodes_map, wildcards) for a, b in zip(p, g)
+        )
+    if isinstance(p, float) and p in wildcards:
+        return isinstance(g, float)
+    return type(p) is type(g) and p == g
+
+
+def _literals_agree(wildcards: tuple = ()) -> Callable:
+    """Match filter: the matcher runs with ignore_literals (so slices holding nodes can match at
+    all); this re-checks every literal of every matched node, except the declared wildcards."""
+
+    def check(match, original_graph, pattern_graph) -> bool:
+        nm = match.nodes_map
+        for pn, gn in nm.items():
+            if pn.op in ("placeholder", "output") or not isinstance(gn, fx.Node):
+                continue
+            if not (
+                _same_literal(tuple(pn.args), tuple(gn.args), nm, wildcards)
+                and pn.kwargs.keys() == gn.kwargs.keys()
+                and all(_same_literal(pn.kwargs[k], gn.kwargs[k], nm, wildcards) for k in pn.kwargs)
+            ):
+                return False
+        return True
+
+    return check
+
+
+def _matched_eps(match) -> float:
+    for pn, gn in match.nodes_map.items():
+        if pn.op != "call_function":
+            continue
+        for pa, ga in zip((*pn.args, *pn.kwargs.values()), (*gn.args, *gn.kwargs.values())):
+            if isinstance(pa, float) and pa == _ANY_EPS:
+                return float(ga)
+    raise AssertionError("norm pattern matched without its eps")
+
+
+def _lift_slices(graph: fx.Graph) -> None:
+    """Turn each slice literal that holds a node (`x[..., half:]`) into a `slice(...)` node, so the
+    matcher walks into its operands instead of comparing the slice as an opaque literal."""
+
+    def lift(a):
+        if isinstance(a, slice) and any(isinstance(v, fx.Node) for v in (a.start, a.stop, a.step)):
+            return graph.call_function(slice, (a.start, a.stop, a.step))
+        if isinstance(a, tuple):
+            return tuple(lift(v) for v in a)
+        if isinstance(a, list):
+            return [lift(v) for v in a]
+        return a
+
+    for n in list(graph.nodes):
+        if n.op in ("call_function", "call_method"):
+            with graph.inserting_before(n):
+                n.args = lift(n.args)
+
+
+def _rewrite(gm: fx.GraphModule, pattern, replacement=None, wildcards: tuple = (), callback=None) -> int:
+    pattern_graph = fx.symbolic_trace(pattern).graph
+    _lift_slices(pattern_graph)
+    _lift_slices(gm.graph)
+    replaced = replace_pattern_with_filters(
+        gm, pattern_graph, replacement, match_filters=[_literals_agree(wildcards)], ignore_literals=True,
+        replacement_callback=callback,
+    )
+    return len(replaced)
+
+
+def _fuse_add_rms_norm(gm: fx.GraphModule) -> int:
+    def callback(match, original_graph, pattern_graph):
+        return fx.symbolic_trace(_norm_replacement(_matched_eps(match))).graph
+
+    return sum(
+        _rewrite(gm, pattern, wildcards=(_ANY_EPS,), callback=callback)
+        for pattern in (_norm_pattern_fp32, _norm_pattern_lowp)
+    )
+
+
+def _pair_rotaries(gm: fx.GraphModule) -> int:
+    """Two single rotations of one layer with the same cos/sin (Qwen3's q and k) -> strata::rotary_qk.
+
+    A plain pass rather than a pattern: every layer's rotaries share cos/sin, so a pattern would
+    also pair q of one layer with k of the next. Here a pair is taken only when both inputs exist
+    before either result is first used, which keeps it inside one layer.
+    """
+    graph = gm.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    rot = rotate_one
+    nodes = [n for n in graph.nodes if n.op == "call_function" and n.target is rot]
+    used: set[fx.Node] = set()
+    pairs = 0
+    for i, a in enumerate(nodes):
+        if a in used:
+            continue
+        for b in nodes[i + 1:]:
+            if b in used or b.args[1:] != a.args[1:]:
+                continue
+            first_use = min(order[u] for u in (*a.users, *b.users)) if (a.users or b.users) else len(order)
+            if max(order[a.args[0]], order[b.args[0]]) >= first_use:
+                continue
+            if order[b.args[0]] < order[a.args[0]]:  # q first: its input is computed first
+                a, b = b, a
+            insert_at = min((u for u in (*a.users, *b.users)), key=order.__getitem__)
+            with graph.inserting_before(insert_at):
+                both = graph.call_function(torch.ops.strata.rotary_qk.default, (a.args[0], b.args[0], *a.args[1:]))
+                qa = graph.call_function(operator.getitem, (both, 0))
+                qb = graph.call_function(operator.getitem, (both, 1))
+            a.replace_all_uses_with(qa)
+            b.replace_all_uses_with(qb)
+            graph.erase_node(a)
+            graph.erase_node(b)
+            used.update((a, b))
+            pairs += 1
+            break
+    return pairs
+
+
+def fuse_graph(gm: fx.GraphModule, model: CausalLM, patterns: tuple[str, ...] = PATTERNS) -> dict[str, int]:
+    """Run the passes named in `patterns` over a traced step of `model` (in place); returns how
+    many of each pattern were fused. (The model supplies the split patterns' literals: its layers'
+    query-head counts and MLP widths.)"""
+    unknown = set(patterns) - set(PATTERNS)
+    if unknown:
+        raise ValueError(f"unknown fusion patterns {sorted(unknown)}; known: {', '.join(PATTERNS)}")
+    heads = sorted({m.heads for m in model.modules() if isinstance(m, Attention)})
+    intermediates = sorted({m.intermediate for m in model.modules() if isinstance(m, GatedMLP)})
+    counts = {}
+    if "add_rms_norm" in patterns:
+        counts["add_rms_norm"] = _fuse_add_rms_norm(gm)
+    if "silu_mul" in patterns:
+        counts["silu_mul"] = sum(_rewrite(gm, _silu_pattern(i), _silu_replacement) for i in intermediates)
+    if "rotary_qk" in patterns:
+        joint = sum(_rewrite(gm, _joint_rotary_pattern(h), _joint_rotary_replacement(h)) for h in heads)
+        _rewrite(gm, _rotary_pattern, _rotary_replacement)
+        counts["rotary_qk"] = joint + _pair_rotaries(gm)  # unpaired single rotations stay rotary_ref calls
+    if "kv_write" in patterns:
+        counts["kv_write"] = _rewrite(gm, _kv_pattern, _kv_replacement)
+    dce(gm.graph)
+    gm.graph.lint()
+    gm.recompile()
+    return counts
+
+
+def expected_counts(num_layers: int) -> dict[str, int]:
+    """What the decoder's structure implies: see the module docstring."""
+    return {"add_rms_norm": 2 * num_layers, "silu_mul": num_layers, "rotary_qk": num_layers, "kv_write": num_layers}
+
+
+@dataclass
+class FusedStep:
+    """The fused engine step: call it as the model (ids, positions, meta, kv_caches) -> hidden."""
+
+    graph_module: fx.GraphModule
+    counts: dict[str, int] = field(default_factory=dict)
+
+    def __call__(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata, kv_caches: list[Tensor]) -> Tensor:
+        return self.graph_module(input_ids, positions, meta, kv_caches)
+
+    def summary(self) -> str:
+        return ", ".join(f"{k} {self.counts.get(k, 0)}" for k in PATTERNS)
+
+
+def fuse_model(model: CausalLM, patterns: tuple[str, ...] = PATTERNS) -> FusedStep:
+    """Trace `model`'s engine step and apply the fusion passes (all by default). The model itself
+    is not changed; the returned step shares its modules and parameters."""
+    _register_gpu_kernels_once()
+    gm = trace_model(model)
+    counts = fuse_graph(gm, model, patterns)
+    step = FusedStep(gm, counts)
+    logger.debug("fusion: %s (rewritten patterns, %d layers)", step.summary(), len(model.layers))
+    return step
+
+
+@functools.cache
+def _register_gpu_kernels_once() -> None:
+    register_gpu_kernels()  # torch.library registrations are process-wide by nature

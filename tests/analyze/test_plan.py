@@ -1,0 +1,217 @@
+"""`strata plan` math: known answers (KV bytes, parameter counts), the engine's block count,
+the alpha-beta formulas, roofline/crossover consistency and the CPU kernel line."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from strata.analyze.calibrate import StepOverhead
+from strata.analyze.plan import (
+    ModelShape,
+    PlanRequest,
+    allreduce_seconds,
+    build_plan,
+    crossover_batch,
+    decode_step,
+    resolve_model,
+    spec_device,
+    this_device,
+)
+from strata.errors import ConfigError
+from strata.graph.model_config import ModelConfig
+from strata.hardware.specs import lookup
+from strata.memory.planner import kv_bytes_per_token, weight_bytes
+
+
+def _llama(name, hidden, inter, layers, heads, kv, vocab, tied=False, arch="LlamaForCausalLM", **kw):
+    return {
+        "architectures": [arch], "hidden_size": hidden, "intermediate_size": inter,
+        "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv,
+        "vocab_size": vocab, "tie_word_embeddings": tied, "max_position_embeddings": 4096,
+        "torch_dtype": "bfloat16", "_name": name, **kw,
+    }
+
+
+LLAMA2_7B = _llama("Llama-2-7B", 4096, 11008, 32, 32, 32, 32000, torch_dtype="float16")
+# published parameter counts (model cards)
+PUBLIC = [
+    (LLAMA2_7B, 6.74e9),
+    (_llama("Llama-3-8B", 4096, 14336, 32, 32, 8, 128256, max_position_embeddings=8192), 8.03e9),
+    (_llama("Qwen2-0.5B", 896, 4864, 24, 14, 2, 151936, tied=True, arch="Qwen2ForCausalLM"), 0.494e9),
+    (_llama("Mistral-7B", 4096, 14336, 32, 32, 8, 32000, arch="MistralForCausalLM"), 7.24e9),
+]
+
+
+def _cfg(d: dict) -> ModelConfig:
+    return ModelConfig.from_dict({k: v for k, v in d.items() if not k.startswith("_")})
+
+
+def _write(tmp_path, d: dict):
+    path = tmp_path / f"{d['_name']}.json"
+    path.write_text(json.dumps({k: v for k, v in d.items() if not k.startswith("_")}))
+    return path
+
+
+def test_llama2_7b_kv_known_answer(tmp_path) -> None:
+    cfg = _cfg(LLAMA2_7B)
+    assert kv_bytes_per_token(cfg, torch.float16) == 512 * 2**10
+    assert 2048 * kv_bytes_per_token(cfg, torch.float16) == 2**30
+    plan = build_plan(PlanRequest(model=str(_write(tmp_path, LLAMA2_7B)), hardware="A100-80GB",
+                                  dtype="float16", max_model_len=2048, batch=8))
+    assert plan.memory.kv_per_token == 512 * 2**10
+    assert plan.memory.kv_per_sequence == 2**30
+
+
+@pytest.mark.parametrize("d,published", PUBLIC, ids=[d["_name"] for d, _ in PUBLIC])
+def test_weights_match_published_counts(d: dict, published: float) -> None:
+    cfg = _cfg(d)
+    assert abs(cfg.num_params() / published - 1) < 0.01
+    assert abs(weight_bytes(cfg, torch.bfloat16) / 2 / published - 1) < 0.01
+    assert ModelShape.of(cfg, torch.bfloat16, None, 64).params == cfg.num_params()
+
+
+def test_resolve_model_forms(tmp_path) -> None:
+    cfg, name = resolve_model("smol-135m")
+    assert name == "smol-135m" and cfg.num_layers == 30 and cfg.tie_word_embeddings
+    path = _write(tmp_path, LLAMA2_7B)
+    assert resolve_model(str(path))[0].hidden_size == 4096
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "dir" / "config.json").write_text(path.read_text())
+    assert resolve_model(str(tmp_path / "dir"))[0].num_layers == 32
+    with pytest.raises(ConfigError, match="qwen-0.5b"):
+        resolve_model(str(tmp_path / "missing"))
+
+
+def test_allreduce_ring_and_tree_known_input() -> None:
+    t = allreduce_seconds(1e6, 8, 100.0, 5e-6)  # 1 MB, 8 devices, 100 GB/s, 5 us
+    assert t["ring"] == pytest.approx(2 * 7 / 8 * 1e6 / 100e9 + 2 * 7 * 5e-6)  # 87.5 us
+    assert t["ring"] == pytest.approx(87.5e-6)
+    assert t["tree"] == pytest.approx(2 * 3 * (5e-6 + 1e6 / 100e9))  # 90 us
+    assert allreduce_seconds(1e6, 1, 100.0, 5e-6) == {"ring": 0.0, "tree": 0.0}
+    big = allreduce_seconds(1e9, 8, 100.0, 5e-6)  # bandwidth-bound: ring moves less
+    assert big["ring"] < big["tree"]
+
+
+def test_plan_capacity_equals_engine_blocks(tiny_ckpt, cpu_profile) -> None:
+    from strata.config import EngineConfig
+    from strata.engine.llm_engine import LLMEngine
+
+    for budget, quant in ((2**20, None), (3 * 2**20 + 12345, "int8")):
+        engine = LLMEngine(EngineConfig(model=str(tiny_ckpt), dtype="float32", max_model_len=128,
+                                        kv_cache_memory=budget, quantization=quant))
+        plan = build_plan(
+            PlanRequest(model=str(tiny_ckpt), hardware="this", dtype="float32", max_model_len=128,
+                        kv_cache_memory=budget, quantization=quant, batch=4),
+            profile=cpu_profile, overhead=StepOverhead.zero(),
+        )
+        assert plan.memory.num_blocks == engine.plan.num_blocks > 0
+        assert plan.memory.kv_tokens == engine.plan.tokens
+        assert plan.memory.kv_cache_bytes == engine.plan.kv_cache_bytes
+        assert plan.memory.weight_bytes == engine.plan.weight_bytes
+        del engine
+
+
+def test_spec_plan_tensor_parallel_and_cost(tmp_path) -> None:
+    d = PUBLIC[1][0]  # Llama-3-8B
+    plan = build_plan(PlanRequest(model=str(_write(tmp_path, d)), hardware="h100x8", dtype="bfloat16",
+                                  max_model_len=8192, batch=256, price_per_hour=8 * 3.0))
+    assert plan.device.name == "H100-SXM" and plan.device.count == 8
+    assert [o.tp for o in plan.tp_options] == [1, 2, 4, 8]
+    b1 = plan.steps[0]
+    # batch-1 decode on a datasheet device is the roofline: weights (+ KV) / HBM bandwidth
+    assert b1.total_s == pytest.approx(b1.roofline_s)
+    assert b1.roofline_s == pytest.approx(b1.bytes / 3.35e12, rel=1e-6)
+    tp1, tp8 = plan.tp_options[0], plan.tp_options[-1]
+    assert tp8.memory.weight_bytes == pytest.approx(tp1.memory.weight_bytes / 8, rel=1e-6)
+    assert tp8.tpot_s < tp1.tpot_s
+    # comm: 2 all-reduces per layer of hidden x 2 bytes per token
+    assert tp8.comm_bytes_per_token == 2 * 32 * 4096 * 2
+    assert tp1.comm_ring_s == 0.0 and tp8.comm_ring_s > 0
+    one = allreduce_seconds(4096 * 2, 8, 450.0, 5e-6)  # NVLink 4: 900 GB/s both ways = 450 each
+    assert tp8.comm_tree_s == pytest.approx(2 * 32 * one["tree"])
+    assert tp8.tpot_s == pytest.approx(plan.steps[0].total_s / 8 + 2 * 32 * min(one.values()), rel=0.02)
+    assert plan.best is not None and plan.best["cost_per_mtok"] > 0
+    assert plan.best["cost_per_mtok"] == pytest.approx(24 / 3600 / plan.best["tokens_per_s"] * 1e6)
+    assert json.loads(json.dumps(plan.to_json()))["device"]["name"] == "H100-SXM"
+
+
+def test_crossover_is_where_roofline_terms_meet() -> None:
+    shape = ModelShape.of(_cfg(PUBLIC[1][0]), torch.bfloat16, None, 64)  # Llama-3-8B, GQA
+    dev = spec_device(lookup("A100-80GB"), 1, torch.bfloat16, None)
+    b = crossover_batch(shape, dev, context=256)
+    assert b is not None and 100 < b < 400
+    lo, hi = decode_step(shape, dev, math.floor(b), 256), decode_step(shape, dev, math.ceil(b), 256)
+    assert lo.bound == "memory" and hi.bound == "compute"
+    # Llama-2-7B (full MHA) at 512 tokens: a sequence's KV takes longer to read than its FLOPs
+    mha = ModelShape.of(_cfg(LLAMA2_7B), torch.float16, None, 64)
+    assert crossover_batch(mha, dev, context=512) is None
+
+
+def test_cpu_kernel_line_between_measured_points(cpu_profile) -> None:
+    cfg, _ = resolve_model("smol-135m")
+    shape = ModelShape.of(cfg, torch.float32, None, 64)
+    dev = this_device(cpu_profile, torch.float32, None)
+    ctx = 192
+    s1, s16 = decode_step(shape, dev, 1, ctx), decode_step(shape, dev, 16, ctx)
+    w_s = shape.stream_bytes / 32e9
+    kv1 = ctx * shape.kv_per_token / 40e9
+    att1 = ctx * shape.attn_flops_per_pos / 64e9
+    assert s1.kernel_s == pytest.approx(w_s + max(kv1, att1))
+    assert s16.kernel_s == pytest.approx(16 * 2 * shape.p_lin / 64e9 + max(16 * kv1, 16 * att1))
+    s8 = decode_step(shape, dev, 8, ctx)
+    lin = lambda s: s.kernel_s - max(s.batch * kv1, s.batch * att1)  # noqa: E731
+    assert lin(s8) == pytest.approx(lin(s1) + 7 / 15 * (lin(s16) - lin(s1)))
+    # tied embedding: the lm_head is streamed once and the embedding is not counted twice
+    assert shape.stream_bytes == weight_bytes(cfg, torch.float32)
+    untied = ModelShape.of(_cfg(LLAMA2_7B), torch.float16, None, 64)
+    assert untied.stream_bytes == weight_bytes(_cfg(LLAMA2_7B), torch.float16) - 32000 * 4096 * 2
+    over = StepOverhead([1, 16], [1e-3, 2e-3], [1e-4, 3e-4], {}, "cpu", "float32", None)
+    s = decode_step(shape, dev, 1, ctx, overhead=over)
+    assert s.overhead_s == pytest.approx(1e-3 + 30 * 1e-4)
+    assert s.total_s == pytest.approx(s.kernel_s + s.overhead_s)
+
+
+def test_quantised_cpu_uses_quant_kernel_rates(cpu_profile) -> None:
+    dev = this_device(cpu_profile, torch.float32, "int4")
+    assert dev.stream_gbs == 14.0 and dev.few_rows_gflops == 48.0 and dev.gemm_gflops == 180.0
+    cfg, _ = resolve_model("qwen-0.5b")
+    q = ModelShape.of(cfg, torch.float32, "int4", 64)
+    f = ModelShape.of(cfg, torch.float32, None, 64)
+    assert q.stream_bytes < f.stream_bytes / 5
+
+
+def test_prefill_formula(cpu_profile) -> None:
+    cfg, _ = resolve_model("smol-135m")
+    shape = ModelShape.of(cfg, torch.float32, None, 64)
+    dev = this_device(cpu_profile, torch.float32, None)
+    from strata.analyze.plan import prefill
+
+    p = prefill(shape, dev, 512, 2048)
+    attn = 2 * 30 * 9 * 64 * 512 * 513
+    flops = 2 * shape.p_layers * 512 + 2 * cfg.vocab_size * cfg.hidden_size + attn
+    assert p.flops == flops and p.chunks == 1
+    assert p.total_s == pytest.approx((flops - attn) / 180e9 + attn / 70e9 + shape.stream_bytes / 32e9)
+    assert p.attention_s == pytest.approx(attn / 70e9)
+    assert prefill(shape, dev, 5000, 2048).chunks == 3
+
+
+def test_bad_requests() -> None:
+    with pytest.raises(ConfigError, match="H100-SXM"):
+        build_plan(PlanRequest(model="tiny", hardware="B9000"))
+    with pytest.raises(ConfigError, match="one device"):
+        build_plan(PlanRequest(model="tiny", hardware="thisx2"))
+    with pytest.raises(ConfigError, match="max_position_embeddings"):
+        build_plan(PlanRequest(model="tiny", hardware="L4", max_model_len=10**6))
+    with pytest.raises(ConfigError, match="no bfloat16 figure"):
+        build_plan(PlanRequest(model="tiny", hardware="T4", dtype="bfloat16"))
+
+
+def test_does_not_fit_is_reported(tmp_path) -> None:
+    plan = build_plan(PlanRequest(model=str(_write(tmp_path, PUBLIC[1][0])), hardware="T4",
+                                  dtype="float16", max_model_len=8192, batch=4))
+    assert not plan.memory.fits and plan.memory.error
+    assert plan.best is None

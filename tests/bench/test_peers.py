@@ -1,0 +1,174 @@
+"""Pure logic of benchmarks/peers (parsing, ratios, rates, tables); builds and runs nothing."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"peers_{name}", ROOT / "benchmarks" / "peers" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look the module up while the class is built
+    spec.loader.exec_module(mod)
+    return mod
+
+
+peers = _load("peers")
+convert = _load("convert_gguf")
+
+# trimmed from a real `llama-bench -o json` run (two tests of one model), with a log line before it
+BENCH_OUT = "some log line\n" + json.dumps([
+    {"build_commit": "0c1e570", "build_number": 1, "cpu_info": "AMD EPYC", "backends": "CPU",
+     "model_filename": "/cache/gguf/0.3.36/smol-135m-f32.gguf", "model_type": "llama ?B all F32",
+     "n_threads": 2, "type_k": "f16", "flash_attn": -1, "n_prompt": 128, "n_gen": 0, "n_depth": 0,
+     "avg_ns": 100, "stddev_ns": 2, "avg_ts": 1234.5, "stddev_ts": 10.5, "samples_ts": [1224.0, 1245.0]},
+    {"build_commit": "0c1e570", "build_number": 1, "cpu_info": "AMD EPYC",
+     "model_filename": "/cache/gguf/0.3.36/smol-135m-f32.gguf", "model_type": "llama ?B all F32",
+     "n_threads": 2, "n_prompt": 0, "n_gen": 128, "n_depth": 128,
+     "avg_ts": 61.25, "stddev_ts": 0.5, "samples_ts": [60.75, 61.75]},
+])
+
+
+def test_parse_llama_bench_and_pick() -> None:
+    rows = peers.parse_llama_bench(BENCH_OUT)
+    assert len(rows) == 2
+    assert rows[0]["model"] == "smol-135m-f32.gguf" and rows[0]["avg_ts"] == 1234.5
+    assert rows[0]["build_commit"] == "0c1e570" and rows[0]["samples_ts"] == [1224.0, 1245.0]
+    pp = peers.pick_bench(rows, "smol-135m-f32.gguf", 128, 0, 0)
+    tg = peers.pick_bench(rows, "smol-135m-f32.gguf", 0, 128, 128)
+    assert pp["n_prompt"] == 128 and tg["avg_ts"] == 61.25
+    assert peers.pick_bench(rows, "smol-135m-f32.gguf", 0, 128, 0) is None  # depth matters
+    assert peers.pick_bench(rows, "other.gguf", 128, 0, 0) is None
+    with pytest.raises(ValueError):
+        peers.parse_llama_bench("no json here")
+
+
+def test_ratio_rates_and_prompt_counts() -> None:
+    assert peers.ratio(3.0, 2.0) == 1.5
+    assert peers.ratio(None, 2.0) is None and peers.ratio(1.0, 0.0) is None
+    assert peers.ratio(math.nan, 1.0) is None
+    rates = peers.derive_rates(2.0)
+    assert list(rates) == ["low", "near", "over"]
+    assert rates == {"low": 0.6, "near": 1.8, "over": 3.0}
+    assert rates["low"] < rates["near"] < 2.0 < rates["over"]
+    for bad in (0.0, -1.0, math.inf, math.nan):
+        with pytest.raises(ValueError):
+            peers.derive_rates(bad)
+    assert peers.prompts_for_rate(0.2, 80, 12, 64) == 16
+    assert peers.prompts_for_rate(0.01, 80, 12, 64) == 12  # at least lo
+    assert peers.prompts_for_rate(5.0, 80, 12, 64) == 64  # at most hi
+
+
+def test_latency_table_ratios() -> None:
+    sr = {
+        "strata_fp32": {"prefill_tps": 1000.0, "decode_tps": 40.0},
+        "llama_f32": {"prefill_tps": 2000.0, "decode_tps": 50.0},
+        "hf_fp32": {"prefill_tps": 500.0, "decode_tps": 16.0},
+        "strata_int8": {"prefill_tps": 900.0, "decode_tps": 90.0},
+        "llama_q8_0": {"prefill_tps": 1800.0, "decode_tps": 100.0},
+    }
+    table = peers.latency_table(sr).splitlines()
+    assert table[0].startswith("| engine | weights | prefill tok/s")
+    llama = next(r for r in table if r.startswith("| llama.cpp | f32"))
+    assert "| 0.50x | 0.80x |" in llama  # Strata ÷ llama.cpp: prefill 1000/2000, decode 40/50
+    hf = next(r for r in table if r.startswith("| transformers"))
+    assert "| 2.00x | 2.50x |" in hf
+    q8 = next(r for r in table if "q8_0" in r)
+    assert "| 0.50x | 0.90x |" in q8  # against Strata int8, not fp32
+    assert "| 25 |" in table[2]  # decode ms/token = 1000 / 40
+    assert not any("f16" in r for r in table)  # not measured, no row
+
+
+def test_throughput_and_serving_tables() -> None:
+    tp = {
+        "strata_offline": {"requests": 64, "elapsed_s": 80.0, "rps": 0.8, "output_tps": 115.0, "total_tps": 300.0},
+        "hf_static": {"requests": 64, "elapsed_s": 200.0, "rps": 0.32, "output_tps": 46.0, "total_tps": 120.0,
+                      "batch_size": 16},
+        "strata_http": {"requests": 64, "elapsed_s": 90.0, "rps": 0.71, "output_tps": 100.0, "total_tps": 270.0,
+                        "short_outputs": 0},
+        "llama_http": {"requests": 64, "elapsed_s": 45.0, "rps": 1.42, "output_tps": 200.0, "total_tps": 540.0,
+                       "short_outputs": 0, "slots": 16},
+    }
+    t = peers.throughput_table(tp)
+    assert "static batches of 16" in t and "-np 16" in t
+    assert "| 2.50x |" in t  # 115 / 46
+    assert "| 0.50x |" in t  # 100 / 200
+    runs = [dict(tp["llama_http"]), dict(tp["llama_http"], slots=64, output_tps=80.0)]
+    t2 = peers.throughput_table(dict(tp, llama_http_runs=runs)).splitlines()
+    np16 = next(r for r in t2 if "-np 16" in r)
+    np64 = next(r for r in t2 if "-np 64" in r)
+    assert "best slot count" in np16 and "| 0.50x |" in np16
+    assert "best slot count" not in np64 and "| 1.25x |" in np64  # 100 / 80
+    point = {"name": "low", "rate": 0.2, "num_prompts": 16}
+    fig = {"completed": 16, "rps": 0.2, "output_tps": 30.0, "ttft_ms": {"p50": 200.0, "p99": 900.0},
+           "tpot_ms": {"p50": 50.0, "p99": 80.0}, "goodput": 0.2, "good_requests": 16}
+    slow = dict(fig, ttft_ms={"p50": 400.0, "p99": 900.0}, goodput=0.1, good_requests=8)
+    s = peers.serving_table([dict(point, strata=slow, llama=fig)])
+    ratio_row = next(r for r in s.splitlines() if "Strata ÷ llama.cpp" in r)
+    assert "| 2.00x |" in ratio_row and "| 0.50x |" in ratio_row  # TTFT p50 400/200; goodput 0.1/0.2
+    assert "low (0.2 req/s, 16 req)" in s and "16/16" in s
+
+
+def test_findings_and_markdown() -> None:
+    res = {
+        "date": "2026-01-01", "workload": {"lat_in": 128, "lat_out": 128},
+        "latency": {"smol-135m": {"strata_fp32": {"prefill_tps": 1000.0, "decode_tps": 40.0},
+                                  "llama_f32": {"prefill_tps": 2000.0, "decode_tps": 20.0}}},
+        "commands": [{"part": "latency", "cmd": "strata bench latency --random-model smol-135m"}],
+        "errors": [{"part": "serving smol-135m", "error": "boom"}],
+    }
+    f = peers.findings(res)
+    assert f[0].startswith("Strata behind: smol-135m batch-1 prefill") and "0.50x" in f[0]
+    assert any(x.startswith("Strata ahead or even: smol-135m batch-1 decode") and "2.00x" in x for x in f)
+    md = peers.render_markdown(res)
+    assert md.startswith("# Peer benchmarks")
+    assert "### smol-135m" in md and "strata bench latency --random-model smol-135m" in md
+    assert "serving smol-135m: boom" in md
+
+
+def test_fmt_and_md_table() -> None:
+    assert peers.fmt_num(None) == "-" and peers.fmt_num(math.nan) == "-"
+    assert peers.fmt_num(1234.56) == "1,235" and peers.fmt_num(12.345) == "12.3" and peers.fmt_num(7) == "7"
+    t = peers.md_table(["a", "b"], [["x", 1.5]]).splitlines()
+    assert t == ["| a | b |", "| :-- | --: |", "| x | 1.5 |"]
+
+
+def test_converter_pre_tokenizer_check() -> None:
+    spec = json.loads((ROOT / "strata" / "demo" / "tokenizer.json").read_text(encoding="utf-8"))
+    convert.check_gpt2_pre_tokenizer(spec)  # the demo tokenizer (and so the random models') passes
+    for bad in ({"pre_tokenizer": {"type": "Metaspace"}}, {"pre_tokenizer": {"type": "ByteLevel", "use_regex": False}},
+                {"normalizer": {"type": "NFC"}}):
+        with pytest.raises(ValueError):
+            convert.check_gpt2_pre_tokenizer({**spec, **bad})
+
+
+def test_merge_previous_keeps_skipped_parts(tmp_path: Path) -> None:
+    prev = {
+        "date": "2026-01-01", "quick": False,
+        "latency": {"smol-135m": {"strata_fp32": {"decode_tps": 1.0}}, "qwen-0.5b": {"strata_fp32": {}}},
+        "throughput": {"smol-135m": {"strata_offline": {"output_tps": 2.0}}}, "serving": {},
+        "commands": [{"part": "latency", "cmd": "strata bench latency --random-model qwen-0.5b"},
+                     {"part": "latency", "cmd": "strata bench latency --random-model smol-135m"},
+                     {"part": "throughput", "cmd": "strata bench throughput --random-model smol-135m"}],
+    }
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(prev))
+    new = {"date": "2026-02-02", "quick": False, "parts": ["latency"], "commands": [],
+           "latency": {"smol-135m": {"strata_fp32": {"decode_tps": 3.0}}}, "throughput": {}, "serving": {}}
+    peers.merge_previous(new, path, ["smol-135m"], [])
+    assert new["latency"]["smol-135m"]["strata_fp32"]["decode_tps"] == 3.0  # this run wins
+    assert new["latency"]["qwen-0.5b"]["measured_on"] == "2026-01-01"  # kept, dated
+    assert new["throughput"]["smol-135m"]["strata_offline"]["output_tps"] == 2.0
+    assert new["latency"]["smol-135m"]["measured_on"] == "2026-02-02"
+    cmds = [c["cmd"] for c in new["commands"]]
+    assert "strata bench latency --random-model qwen-0.5b" in cmds
+    assert "strata bench latency --random-model smol-135m" not in cmds  # re-measured: old command dropped
+    assert len(new["kept_from_previous"]) == 2
