@@ -187,10 +187,10 @@ def fmt_ratio(v: float | None) -> str:
     return "-" if v is None else f"{v:.2f}x"
 
 
-def md_table(headers: list[str], rows: list[list[Any]]) -> str:
-    """A GitHub markdown table; the first column left-aligned, the rest right-aligned."""
+def md_table(headers: list[str], rows: list[list[Any]], left: int = 1) -> str:
+    """A GitHub markdown table; the first `left` columns left-aligned, the rest right-aligned."""
     cells = [[c if isinstance(c, str) else fmt_num(c) for c in r] for r in rows]
-    align = [":--"] + ["--:"] * (len(headers) - 1)
+    align = [":--"] * left + ["--:"] * (len(headers) - left)
     lines = ["| " + " | ".join(headers) + " |", "| " + " | ".join(align) + " |"]
     lines += ["| " + " | ".join(r) + " |" for r in cells]
     return "\n".join(lines)
@@ -387,7 +387,9 @@ def render_markdown(res: dict) -> str:
       "benchmarks/peers/run.sh --only latency --shapes qwen-0.5b\n"
       "benchmarks/peers/run.sh --prepare-only     # download, build, convert, verify; no benchmarks\n"
       "benchmarks/peers/run.sh --report-only      # re-render this page from benchmarks/peers/results.json\n"
+      "benchmarks/peers/run.sh --help             # shapes, slots, SLO, rates, quiet-machine waiting, retries\n"
       "```\n")
+    w("A run with `--only` or fewer shapes keeps the other tables from the previous results.json (dated).\n")
     w("The first run downloads the llama-cpp-python sdist with pip (the only network access), unpacks it, "
       "builds llama.cpp from its `vendor/llama.cpp` with cmake and converts the checkpoints; all of it lands "
       "under `$STRATA_CACHE/peers` (default `~/.cache/strata/peers`). A stamp file keyed by the sdist "
@@ -407,10 +409,11 @@ def render_markdown(res: dict) -> str:
         ["fp32 GEMM (512 rows, measured)", f"{fmt_num((meas.get('gemm_gflops') or {}).get('float32'))} GFLOP/s"],
         ["fp32 batch-16 linear (measured)", f"{fmt_num((meas.get('matmul_gflops') or {}).get('float32'))} GFLOP/s"],
         ["fp32 batch-1 linear weight stream", f"{fmt_num((meas.get('linear_gbs') or {}).get('float32'))} GB/s"],
-        ["measured by", f"`{m.get('hw_source', 'strata hw --json --refresh')}` at the start of the run"],
+        ["measured by", f"`{m.get('hw_source', 'strata hw --json --refresh')}` at the start of the run"
+                        f" (others' CPU meanwhile: {fmt_cpu(m.get('others_cpu_during_hw'))})"],
         ["kernel", m.get("kernel", "-")],
     ]
-    w(md_table(["", ""], rows) + "\n")
+    w(md_table(["", ""], rows, left=2) + "\n")
 
     w("## Versions\n")
     lc = v.get("llama_cpp") or {}
@@ -428,7 +431,7 @@ def render_markdown(res: dict) -> str:
         ["numpy / numba", f"{v.get('numpy', '?')} / {v.get('numba', '?')}"],
         ["Python", v.get("python", "?")],
     ]
-    w(md_table(["", ""], rows) + "\n")
+    w(md_table(["", ""], rows, left=2) + "\n")
     bi = res.get("build") or {}
     if bi:
         w(f"llama.cpp build: {bi.get('status', '?')}" +
@@ -1361,15 +1364,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"peer cache {cache}\nthis run: {run_dir}\nparts: {', '.join(parts)}; latency shapes "
           f"{lat_shapes}; load shapes {load_shapes}{' (quick)' if args.quick else ''}", flush=True)
 
+    ctx.monitor = CpuMonitor()
     results["versions"] = versions(ctx)
     t0 = time.perf_counter()
     ggufs = prepare(ctx, sorted(set(lat_shapes + load_shapes), key=ALL_SHAPES.index))
     results["prepare_s"] = time.perf_counter() - t0
     print(f"prepare: {results['prepare_s']:.1f} s", flush=True)
     if args.prepare_only:
+        ctx.monitor.stop()
         return 0
     results["machine"] = machine(ctx)
-    ctx.monitor = CpuMonitor()
+    results["machine"]["others_cpu_during_hw"] = ctx.last.get("others_cpu_mean")
 
     def attempt(part: str, fn, *a) -> Any:
         try:

@@ -188,7 +188,7 @@ def this_device(profile, dtype: torch.dtype, quantization: str | None) -> Device
         stream = need(profile.quant_linear_gbs, quantization, "quantised batch-1")
         few = need(profile.quant_matmul_gflops, quantization, "quantised batch-16")
         gemm = need(profile.gemm_gflops, "float32", "GEMM")
-        attn = need(profile.sdpa_gflops, "float32", "attention")
+        attn = profile.sdpa_gflops.get("float32", 0.0)
         if dname != "float32":
             notes.append(f"quantised kernels need float32 activations; {dname} dequantises per call")
         notes.append("quantised prefill = tile dequantisation + fp32 GEMM; the dequantisation is not modelled")
@@ -196,9 +196,11 @@ def this_device(profile, dtype: torch.dtype, quantization: str | None) -> Device
         stream = need(profile.linear_gbs, dname, "batch-1 linear")
         few = need(profile.matmul_gflops, dname, "batched linear")
         gemm = need(profile.gemm_gflops, dname, "GEMM")
-        attn = need(profile.sdpa_gflops, dname, "attention")
+        attn = profile.sdpa_gflops.get(dname, 0.0)
         if quantization is not None:
             notes.append("Strata has no GPU quantised kernels: it dequantises per call; predicted as fused")
+    if not attn:
+        notes.append("no measured attention rate for this dtype: prefill attention at the GEMM rate")
     if cpu:
         import psutil
 

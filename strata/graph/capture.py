@@ -330,8 +330,8 @@ class DecodeCapture:
                 decode_mask=None, decode_context_lens=torch.ones(b, dtype=torch.long, device=dev),
                 backend=self.backend,
             )
-            zeros = torch.zeros(b, dtype=torch.long, device=dev)
-            self(zeros, zeros, meta)
+            ids = torch.zeros(b, dtype=torch.long, device=dev)  # two tensors: dynamo guards on aliasing
+            self(ids, torch.zeros_like(ids), meta)
         self.bucket_hits.clear()
 
     def stats(self) -> dict:
