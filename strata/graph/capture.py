@@ -4,7 +4,7 @@ Only all-decode steps are captured: one token per sequence, so the step's shapes
 and the block-table width W. Prefill steps (and mixed steps) run the eager path: their shapes
 vary with every prompt, and on CPU their time is GEMM-bound, which compile does not change.
 
-Buckets. B is padded up to the next of a fixed set of batch sizes (1, 2, 4, ... up to
+Buckets. B is padded up to the next of a fixed set of batch sizes (1, 2, 4, 8, 16, 24, ... up to
 max_num_seqs), so the number of distinct shapes, hence compilations and graphs, is bounded. Padded
 rows decode token 0 at position 0 with context length 1; their KV write lands in a scratch block
 that the engine allocates past the block manager's range (so no sequence's cache is touched) and
@@ -48,11 +48,14 @@ logger = logging.getLogger(__name__)
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
-    """Batch sizes a decode step is padded up to: powers of two below max_num_seqs, then it."""
-    out, b = [], 1
-    while b < max_num_seqs:
-        out.append(b)
-        b *= 2
+    """Batch sizes a decode step is padded up to: 1, 2, 4, then multiples of 8, then max_num_seqs.
+
+    Multiples of 8 rather than powers of two above 8: padded rows cost compute once batches run
+    through GEMMs (33 sequences padded to 64 nearly doubles a step), and under torch.compile the
+    batch dimension turns dynamic after the second bucket, so finer buckets cost no compilations;
+    with CUDA graphs each bucket met is one more graph."""
+    out = [b for b in (1, 2, 4) if b < max_num_seqs]
+    out += list(range(8, max_num_seqs, 8))
     out.append(max_num_seqs)
     return out
 

@@ -19,7 +19,9 @@ def _greedy(llm, prompts, lengths):
 def test_buckets():
     assert batch_buckets(1) == [1]
     assert batch_buckets(6) == [1, 2, 4, 6]
-    assert batch_buckets(128) == [1, 2, 4, 8, 16, 32, 64, 128]
+    assert batch_buckets(8) == [1, 2, 4, 8]
+    assert batch_buckets(30) == [1, 2, 4, 8, 16, 24, 30]
+    assert batch_buckets(128) == [1, 2, 4, *range(8, 129, 8)]
     assert [bucket_for(n, [1, 2, 4, 6]) for n in (1, 2, 3, 5, 6, 7)] == [1, 2, 4, 6, 6, None]
 
 
