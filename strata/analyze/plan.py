@@ -25,7 +25,10 @@ and the CPU prediction follows the measured kernels rather than the max(): a 1..
 streams the weights once and its time grows linearly between the two measured points
 (t1 = W/stream at 1 row, t16 = 16 rows' FLOPs / rate at 16; linear in between), attention
 is max(KV/mem, FLOPs/rate), and the step overhead (calibrate.py: Python, dispatch, sampler,
-measured on the engine itself) is added. Tensor parallel adds 2 all-reduces per layer of
+measured on the engine itself) is added. Prefill on `this` is priced from one decoder layer of
+the model timed at its own shapes (layer_probe.py: projections, attention, and the elementwise
+work no FLOP count sees), times the layers, plus the lm_head read; the rates above are the
+fallback when that layer would take too long to time. Tensor parallel adds 2 all-reduces per layer of
 hidden*bytes*b, alpha-beta model: ring 2(N-1)/N*bytes/bw + 2(N-1)*alpha, tree
 2*log2(N)*(alpha + bytes/bw); the cheaper is taken.
 """
@@ -52,6 +55,9 @@ logger = logging.getLogger(__name__)
 # alpha (per-message latency) is on no datasheet: an assumption of NCCL-typical order, shown in
 # the output and overridable with --alpha-us
 DEFAULT_ALPHA_US = {"nvlink": 5.0, "pcie": 10.0}
+# `this` device: prefill is priced from one layer timed at the model's shapes (layer_probe.py)
+# when that costs at most this long; larger models fall back to the measured rates
+LAYER_PROBE_BUDGET_S = 5.0
 
 
 # ---------------------------------------------------------------- inputs
@@ -295,38 +301,54 @@ class Prefill:
     chunks: int
     flops: float
     bytes: float
-    compute_s: float  # projections at the GEMM rate + attention at the attention rate
+    compute_s: float  # projections + attention (at the rates, or the layer probe's times)
     attention_s: float  # the attention part of compute_s
     weight_read_s: float
     overhead_s: float
     comm_s: float
+    elementwise_s: float = 0.0  # norms, rotary, SiLU * up, KV write: measured by the layer probe only
+    source: str = "roofline"  # "roofline" (rates) | "layer probe" (this device's measured layer)
 
     @property
     def total_s(self) -> float:
-        return self.compute_s + self.weight_read_s + self.overhead_s + self.comm_s
+        return self.compute_s + self.elementwise_s + self.weight_read_s + self.overhead_s + self.comm_s
 
     @property
     def intensity(self) -> float:
         return self.flops / self.bytes
 
 
-def prefill(shape: ModelShape, dev: Device, tokens: int, chunk: int, tp: int = 1, overhead=None) -> Prefill:
+def prefill(shape: ModelShape, dev: Device, tokens: int, chunk: int, tp: int = 1, overhead=None,
+            layer=None) -> Prefill:
+    """Prefill of one `tokens`-token prompt. `layer` (layer_probe.LayerTimes, `this` device):
+    measured per-layer times at min(tokens, chunk) tokens replace the rates; projections and
+    elementwise work scale with tokens, attention with its causal FLOPs."""
     cfg = shape.cfg
     chunks = -(-tokens // chunk)
     attn = 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * tokens * (tokens + 1) / tp
     lin = (2 * shape.p_layers * tokens + 2 * cfg.vocab_size * cfg.hidden_size) / tp
     flops = lin + attn
     w = chunks * shape.stream_bytes / tp
-    attn_s = attn / ((dev.attn_gflops or dev.gemm_gflops) * 1e9)
-    compute_s = lin / dev.rate(min(tokens, chunk)) + attn_s
-    read_s = w / (dev.stream_gbs * 1e9)
+    elementwise_s, source = 0.0, "roofline"
+    if layer is not None:
+        n, per_token = cfg.num_layers / tp, tokens / layer.tokens
+        attn_s = n * layer.attention_s * tokens * (tokens + 1) / (layer.tokens * (layer.tokens + 1))
+        compute_s = n * layer.gemm_s * per_token + attn_s
+        elementwise_s = n * layer.elementwise_s * per_token
+        # the layers' weight reads are inside their measured times; the lm_head's GEMV is not
+        read_s = chunks * cfg.vocab_size * cfg.hidden_size * shape.act_itemsize / tp / (dev.stream_gbs * 1e9)
+        source = "layer probe"
+    else:
+        attn_s = attn / ((dev.attn_gflops or dev.gemm_gflops) * 1e9)
+        compute_s = lin / dev.rate(min(tokens, chunk)) + attn_s
+        read_s = w / (dev.stream_gbs * 1e9)
     comm = 0.0
     if tp > 1:
         nbytes = cfg.hidden_size * shape.act_itemsize * min(tokens, chunk)
         comm = chunks * 2 * cfg.num_layers * min(allreduce_seconds(nbytes, tp, dev.link_gbs, dev.alpha_s).values())
     over = chunks * overhead.at(1, cfg.num_layers) if overhead is not None else 0.0
     return Prefill(tokens, chunks, flops, w + tokens * shape.kv_per_token / tp, compute_s, attn_s, read_s, over,
-                   comm)
+                   comm, elementwise_s, source)
 
 
 def crossover_batch(shape: ModelShape, dev: Device, context: int, tp: int = 1) -> float | None:
@@ -561,7 +583,22 @@ def build_plan(req: PlanRequest, profile=None, overhead=None) -> Plan:
 
     options = _tp_options(shape, dev, req, dtype, max_len, context, overhead)  # options[0]: TP=1
     steps = [decode_step(shape, dev, b, context, 1, overhead) for b in _batches(req.batch)]
-    pre = prefill(shape, dev, input_len, req.max_num_batched_tokens, 1, overhead)
+    layer = None
+    if is_this and req.quantization is None:
+        from strata.analyze.layer_probe import (
+            PROBE_MAX_TOKENS,
+            measure_prefill_layer,
+            probe_seconds,
+        )
+
+        tokens = min(input_len, req.max_num_batched_tokens, PROBE_MAX_TOKENS)
+        cost = probe_seconds(2 * shape.p_layers / cfg.num_layers * tokens / (dev.gemm_gflops * 1e9))
+        if cost <= LAYER_PROBE_BUDGET_S:
+            layer = measure_prefill_layer(cfg, dtype, tokens, dev.torch_device or "cpu")
+        else:
+            notes.append(f"prefill from the measured rates: timing one layer at {tokens} tokens would take "
+                         f"~{cost:.0f} s (layer probe budget {LAYER_PROBE_BUDGET_S:.0f} s)")
+    pre = prefill(shape, dev, input_len, req.max_num_batched_tokens, 1, overhead, layer)
     plan = Plan(
         model=model_name, architecture=cfg.architecture, params=shape.params,
         dtype=str(dtype).replace("torch.", ""), quantization=req.quantization, hardware=req.hardware,

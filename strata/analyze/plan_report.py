@@ -65,10 +65,13 @@ def prefill_lines(p: Plan) -> list[str]:
         f"Prefill of a {f.tokens}-token prompt{chunks}: {_ms(f.total_s)} ms "
         f"({f.tokens / f.total_s:,.0f} tok/s; TTFT floor)",
         f"  = {f.flops / 1e9:,.1f} GFLOP in {_ms(f.compute_s)} ms (attention {_ms(f.attention_s)} ms of it)"
-        f"  + weight read {_ms(f.weight_read_s)} ms"
+        + (f"  + elementwise {_ms(f.elementwise_s)} ms" if f.elementwise_s else "")
+        + f"  + {'lm_head' if f.source == 'layer probe' else 'weight'} read {_ms(f.weight_read_s)} ms"
         + (f"  + overhead {_ms(f.overhead_s)} ms" if f.overhead_s else "")
         + (f"  + all-reduce {_ms(f.comm_s)} ms" if f.comm_s else ""),
-    ]
+    ] + (["  (projections, attention and elementwise: one layer of this model timed on this device "
+          "at the prompt's chunk length, times the layer count; analyze/layer_probe.py)"]
+         if f.source == "layer probe" else [])
 
 
 def decode_lines(p: Plan) -> list[str]:

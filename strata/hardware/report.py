@@ -363,7 +363,7 @@ def _profile_lines(p: dict[str, Any]) -> list[str]:
     if prof.device == "cpu":
         ratio = prof.mem_bandwidth_gbs / prof.numpy_read_gbs if prof.numpy_read_gbs else float("nan")
         out.append(
-            f"  DRAM read    {prof.mem_bandwidth_gbs:.1f} GB/s (torch sum, {prof.threads} threads); "
+            f"  DRAM read    {prof.mem_bandwidth_gbs:.1f} GB/s (torch dot, {prof.threads} threads); "
             f"independent: numpy read {prof.numpy_read_gbs:.1f} GB/s (strata/numpy {ratio:.2f}), "
             f"numpy copy {prof.numpy_copy_gbs:.1f} GB/s (read+write)"
         )
