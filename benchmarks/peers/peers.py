@@ -369,8 +369,8 @@ def render_markdown(res: dict) -> str:
       "shape), one after another in one invocation, so figures are ratios on one machine. "
       "llama.cpp reads them as GGUF converted by its own `convert_hf_to_gguf.py`; transformers and "
       "Strata read the safetensors directory. Every request is greedy and ignores EOS.\n")
-    w("**The machine is shared** (2 cores; other engineers' tests and benchmarks ran on it during "
-      "this run), so absolute figures move between runs. Before each measurement the script waits "
+    w("**The dev machine is a shared VM** (2 cores; other jobs may run beside this one, and its DRAM "
+      "bandwidth drifts by up to 2x within an hour), so absolute figures move between runs. Before each measurement the script waits "
       f"(up to {fmt_num(res.get('wait_quiet_s'))} s) for other processes to use less than "
       f"{fmt_num(res.get('quiet_cpu'))}% of a core, and the \"others' CPU\" column gives the mean CPU "
       "(in % of one core) that processes outside this run used while the figure was measured: "
