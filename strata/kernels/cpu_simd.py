@@ -1,14 +1,18 @@
-"""Explicit <16 x float> LLVM vector row dots for the quantised CPU kernels (numba intrinsics).
+"""Explicit LLVM vector row dots for the quantised CPU kernels (numba intrinsics).
 
 int4 inner loops are written as generic vector IR (LLVM lowers it to AVX-512, AVX2 or NEON).
 numba's auto-vectoriser picks 64 bytes per iteration for a loop of unknown trip count, so a
 group's 16-64 bytes ran in its scalar/narrow epilogue: measured 1.5-1.8x slower at group size 64.
 Here each group is a loop of 16-byte steps (group sizes are multiples of 32) with separate
 accumulators for the two nibbles. The int8 row dot is written the same way (see _i8_dot16).
+On CPUs with AVX-512 VNNI, batch-1 int4 runs i4_dot_vnni instead: integer dot products against
+the input quantised to int8 (cpu_quant.py says when and why).
 Formats: quant_formats.py. Used by cpu_quant.py; import only where numba is available.
 """
 
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 from llvmlite import ir
@@ -188,5 +192,90 @@ def i4_row(typingctx, wr, sr, buf, half):  # pragma: no cover - compiled
                     ptr = builder.gep(out.data, [builder.add(base, k)], inbounds=True)
                     builder.store(deq, builder.bitcast(ptr, vf.as_pointer()), align=4)
         return context.get_dummy_value()
+
+    return sig, codegen
+
+
+# --- int4 x int8 with AVX-512 VNNI ------------------------------------------------------------------
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU feature flags of /proc/cpuinfo (empty where there is none, e.g. macOS)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def has_avx512_vnni() -> bool:
+    return {"avx512f", "avx512bw", "avx512_vnni"} <= cpu_flags()
+
+
+@intrinsic
+def i4_dot_vnni(typingctx, wr, sr, xq, xf, half):  # pragma: no cover - compiled
+    """sum_g sr[g] * xf[g] * sum_k q * xq for one packed row, in integers (VPDPBUSD).
+
+    xq holds the input row quantised to int8 per group with scales xf (cpu_quant._quant_x); the
+    -8 offset of the nibbles is subtracted by the caller (8 * sum of xq over each group). Per
+    32 packed bytes: the low and high nibbles (columns k and half + k of the group) become one
+    64-byte unsigned vector, the two matching 32-byte runs of xq one signed vector, and one
+    VPDPBUSD multiplies and sums them into 16 int32 lanes; each group's lanes are converted and
+    scaled once. `half` (group / 2) must be a multiple of 32. The old <16 x i32> form of the
+    intrinsic is used: LLVM upgrades it where the operands became <64 x i8>.
+    """
+    sig = types.float32(wr, sr, xq, xf, half)
+
+    def codegen(context, builder, signature, args):
+        w, sc, x, xs = (
+            context.make_array(t)(context, builder, v) for t, v in zip(signature.args[:4], args[:4])
+        )
+        half_v = args[4]
+        f32, vf, _, zero = _vec_consts()
+        i32, i64 = ir.IntType(32), ir.IntType(64)
+        vi = ir.VectorType(i32, _VL)
+        v32b = ir.VectorType(ir.IntType(8), 32)
+        concat = ir.Constant(ir.VectorType(i32, 64), list(range(64)))
+        dpbusd = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(vi, [vi, vi, vi]), "llvm.x86.avx512.vpdpbusd.512"
+        )
+        row = cgutils.alloca_once_value(builder, zero)
+        acc = cgutils.alloca_once_value(builder, ir.Constant(vi, [0] * _VL))
+
+        def load32(data, index):
+            ptr = builder.bitcast(builder.gep(data, [index], inbounds=True), v32b.as_pointer())
+            return builder.load(ptr, align=1)
+
+        with cgutils.for_range(builder, cgutils.unpack_tuple(builder, sc.shape, 1)[0]) as group:
+            g = group.index
+            b0 = builder.mul(g, half_v)
+            x0 = builder.add(b0, b0)
+            builder.store(ir.Constant(vi, [0] * _VL), acc)
+            with cgutils.for_range_slice(builder, ir.Constant(i64, 0), half_v, ir.Constant(i64, 32)) as (k, _):
+                b = load32(w.data, builder.add(b0, k))
+                lo = builder.and_(b, ir.Constant(v32b, [15] * 32))
+                hi = builder.lshr(b, ir.Constant(v32b, [4] * 32))
+                wv = builder.shuffle_vector(lo, hi, concat)
+                xv = builder.shuffle_vector(
+                    load32(x.data, builder.add(x0, k)), load32(x.data, builder.add(builder.add(x0, half_v), k)),
+                    concat,
+                )
+                summed = builder.call(dpbusd, [builder.load(acc), builder.bitcast(wv, vi), builder.bitcast(xv, vi)])
+                builder.store(summed, acc)
+            factor = builder.fmul(
+                builder.load(builder.gep(sc.data, [g], inbounds=True)),
+                builder.load(builder.gep(xs.data, [g], inbounds=True)),
+                flags=_FAST,
+            )
+            scaled = builder.fmul(builder.sitofp(builder.load(acc), vf), _splat(builder, factor, vf), flags=_FAST)
+            builder.store(builder.fadd(builder.load(row), scaled, flags=_FAST), row)
+        reduce = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(f32, [f32, vf]), "llvm.vector.reduce.fadd.v16f32"
+        )
+        return builder.call(reduce, [ir.Constant(f32, 0.0), builder.load(row)], fastmath=_FAST)
 
     return sig, codegen

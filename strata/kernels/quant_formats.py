@@ -80,3 +80,15 @@ def dequantize_int4_ref(
     packed = qweight.view(n_out, ng, -1)
     q = torch.cat(((packed & 15), (packed >> 4)), dim=2).to(torch.float32)
     return ((q - 8.0) * scale[..., None]).view(n_out, -1).to(dtype)
+
+
+def quantize_activations_ref(x: torch.Tensor, group_size: int) -> torch.Tensor:
+    """x [rows, in] as the int8-activation int4 kernel sees it, back in fp32: per row and group
+    of `group_size` columns, scale = max|x| / 127 (1 for an all-zero group), q = round(x / scale)
+    (half to even), returned as q * scale."""
+    rows, n_in = x.shape
+    xg = x.to(torch.float32).reshape(rows, n_in // group_size, group_size)
+    amax = xg.abs().amax(dim=2, keepdim=True)
+    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    q = torch.round(xg * (1.0 / scale)).clamp_(-127, 127)
+    return (q * scale).reshape(rows, n_in)

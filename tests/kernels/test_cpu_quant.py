@@ -30,6 +30,13 @@ class _Q:
         return quant_formats.dequantize_int4_ref(self.qweight, self.scale, dtype)
 
 
+def _seen(x: torch.Tensor, q: _Q) -> torch.Tensor:
+    """The input the kernel computes with: int4 batch-1 on a VNNI CPU rounds it to int8 per group."""
+    if q.method == "int4" and cpu_quant.int8_activations(x.reshape(-1, x.shape[-1]).shape[0], q.group_size):
+        return quant_formats.quantize_activations_ref(x.reshape(-1, x.shape[-1]), q.group_size).view_as(x)
+    return x
+
+
 def _tol(in_f: int) -> dict:
     # fp32 summation order differs from F.linear's: error ~ eps * sqrt(n) * |x| * |w|
     return dict(rtol=1e-5, atol=2e-7 * in_f + 1e-5)
@@ -113,7 +120,7 @@ def test_gemv_matches_reference(method, rows, shape, bias):
     with torch.inference_mode():
         assert cpu_quant.usable(x, q.qweight)
         got = cpu_quant.gemv(method, x, q.qweight, q.scale, q.group_size, b)
-    torch.testing.assert_close(got, F.linear(x, q.dequantize(), b), **_tol(in_f))
+    torch.testing.assert_close(got, F.linear(_seen(x, q), q.dequantize(), b), **_tol(in_f))
 
 
 @needs_numba
@@ -137,7 +144,7 @@ def test_int4_group_sizes(group, rows):
     assert q.group_size == group
     with torch.inference_mode():
         got = cpu_quant.gemv("int4", x, q.qweight, q.scale, q.group_size)
-    torch.testing.assert_close(got, F.linear(x, q.dequantize()), **_tol(512))
+    torch.testing.assert_close(got, F.linear(_seen(x, q), q.dequantize()), **_tol(512))
 
 
 @needs_numba
@@ -149,7 +156,7 @@ def test_gemv_swiglu_matches_reference(method, rows, shape):
     w = torch.randn(*shape, generator=g) * 0.1
     x = torch.randn(rows, shape[1], generator=g)
     q = _Q(w, method)
-    gate, up = F.linear(x, q.dequantize()).chunk(2, dim=-1)
+    gate, up = F.linear(_seen(x, q), q.dequantize()).chunk(2, dim=-1)
     with torch.inference_mode():
         got = cpu_quant.gemv_swiglu(method, x, q.qweight, q.scale, q.group_size)
         torch.testing.assert_close(got, F.silu(gate) * up, **_tol(shape[1]))
@@ -165,6 +172,29 @@ def test_tiled_matmul_matches_reference(method, shape):
     got = cpu_quant.matmul(method, x, q.qweight, q.scale, q.group_size, b)
     assert got.is_contiguous()
     torch.testing.assert_close(got, F.linear(x, q.dequantize(), b), **_tol(shape[1]))
+
+
+@needs_numba
+@pytest.mark.skipif(not cpu_quant.int8_activations(1, 64), reason="needs AVX-512 VNNI (int4 x int8 kernel)")
+@pytest.mark.parametrize("group", [64, 128])
+def test_int4_int8_activation_kernel(group, monkeypatch):
+    """The VNNI kernel equals its twin (activations rounded per group, then dequantise + F.linear),
+    stays within 1% of a row's largest output from the fp32-activation kernel, and the
+    environment switch restores the fp32 kernel exactly."""
+    g = torch.Generator().manual_seed(group)
+    w, x = torch.randn(300, 1024, generator=g), torch.randn(1, 1024, generator=g)
+    x[0, :group] = 0.0  # an all-zero group: scale 1, no division by zero
+    q = _Q(w, "int4", group)
+    twin = F.linear(quant_formats.quantize_activations_ref(x, group), q.dequantize())
+    exact = F.linear(x, q.dequantize())
+    with torch.inference_mode():
+        got = cpu_quant.gemv("int4", x, q.qweight, q.scale, group)
+        torch.testing.assert_close(got, twin, **_tol(1024))
+        assert (got - exact).abs().max() <= 0.01 * exact.abs().max()
+        monkeypatch.setenv("STRATA_INT4_FP32_ACTIVATIONS", "1")
+        assert not cpu_quant.int8_activations(1, group)
+        torch.testing.assert_close(cpu_quant.gemv("int4", x, q.qweight, q.scale, group), exact, **_tol(1024))
+    assert not cpu_quant.int8_activations(2, 64) and not cpu_quant.int8_activations(1, 32)
 
 
 @needs_numba
@@ -187,7 +217,7 @@ def test_dispatch_paths_agree(method):
     with torch.inference_mode():
         for rows in (1, cpu_quant.MAX_ROWS, cpu_quant.MAX_ROWS + 1, 100):  # GEMV, then dequant + GEMM
             x = torch.randn(rows, 128)
-            torch.testing.assert_close(quant_linear(x, q, b), F.linear(x, ref_w, b), **_tol(128))
+            torch.testing.assert_close(quant_linear(x, q, b), F.linear(_seen(x, q), ref_w, b), **_tol(128))
         x3 = torch.randn(2, 7, 128)  # the plain causal forward's [B, L, H]
         assert quant_linear(x3, q).shape == (2, 7, 80)
         torch.testing.assert_close(quant_linear(x3, q), F.linear(x3, ref_w), **_tol(128))
