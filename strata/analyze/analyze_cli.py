@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
+
+logger = logging.getLogger(__name__)
 
 ANALYZE_EPILOG = """examples:
   strata analyze --random-model smol-135m --dtype float32 --num-prompts 1 --input-len 16 --output-len 64
@@ -53,6 +56,33 @@ def _serve_args(args: argparse.Namespace) -> list[str]:
     return out
 
 
+def _decode_crossover(model: str | None, dtype: str, quantization: str | None, context: int) -> float | None:
+    """The planner's compute crossover batch for this model on this machine (cached `strata hw`);
+    None when it cannot be had (no model directory, or no measured profile for the dtype)."""
+    if model is None:
+        return None
+    try:
+        from strata.analyze.plan import (
+            ModelShape,
+            _resolve_dtype,
+            crossover_batch,
+            resolve_model,
+            this_device,
+        )
+        from strata.hardware.probe import probe
+
+        cfg, _ = resolve_model(model)
+        import torch
+
+        profile = probe("cuda:0" if torch.cuda.is_available() else "cpu")
+        torch_dtype = _resolve_dtype(dtype, cfg, profile)
+        dev = this_device(profile, torch_dtype, quantization)
+        return crossover_batch(ModelShape.of(cfg, torch_dtype, quantization, 64), dev, context)
+    except Exception as e:  # the verdict still stands without it
+        logger.info("no decode crossover for the serve verdict: %s", e)
+        return None
+
+
 def cmd_analyze_serve(args: argparse.Namespace) -> int:
     from strata.analyze.analyze_serve import analyze_serve, format_text
     from strata.bench.common import parse_range, resolve_model, write_json
@@ -63,7 +93,9 @@ def cmd_analyze_serve(args: argparse.Namespace) -> int:
                            input_len=parse_range(args.input_len, "--input-len"),
                            output_len=parse_range(args.output_len, "--output-len"), seed=args.seed,
                            tokenizer=model, progress=True)
-    a = analyze_serve(_serve_args(args), model or "demo", cfg, args.max_num_seqs)
+    context = (cfg.input_len[0] + cfg.input_len[1]) / 2 + (cfg.output_len[0] + cfg.output_len[1]) / 4
+    a = analyze_serve(_serve_args(args), model or "demo", cfg, args.max_num_seqs,
+                      _decode_crossover(model, args.dtype, args.quantization, int(context)))
     print(format_text(a))
     if args.json:
         write_json(args.json, a.to_json())

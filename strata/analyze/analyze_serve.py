@@ -58,7 +58,11 @@ class ServeAnalysis:
 
 
 def serve_verdict(stage: dict[str, float], engine: dict[str, float], n: int, max_num_seqs: int,
-                  max_concurrency: int) -> Verdict:
+                  max_concurrency: int, crossover: float | None = None) -> Verdict:
+    """The limiting layer from the stage counters. `crossover`: the planner's batch at which decode
+    turns compute-bound on this machine; the mean decode batch is the requests' summed decode
+    time over the engine's busy time (Little's law), so a busy server past the crossover is named
+    compute-bound, not bandwidth-bound."""
     total = sum(stage.values()) or 1e-9
     busy = sum(v for k, v in engine.items() if k != "idle")
     if stage["tokenize"] / total >= TOKENIZE_SHARE:
@@ -77,15 +81,29 @@ def serve_verdict(stage: dict[str, float], engine: dict[str, float], n: int, max
                        f"the engine was idle {engine['idle']:.1f} s of the run vs {busy:.1f} s busy",
                        [Action("--request-rate higher", "the server has headroom at this load", "more throughput")])
     host = engine.get("schedule", 0.0) + engine.get("sample", 0.0)
-    layer = "compute" if stage["prefill"] > stage["decode"] else "memory bandwidth (decode)"
-    return Verdict(layer, f"engine busy {busy:.1f} s: forward {engine.get('forward', 0):.1f} s, schedule+sample "
-                   f"{host:.1f} s; requests spent {stage['prefill'] / total:.0%} in prefill and "
-                   f"{stage['decode'] / total:.0%} in decode",
-                   [Action("strata analyze --workload offline", "the per-phase roofline comparison for this model",
-                           "names the kernel-level limit")])
+    batch = stage["decode"] / busy if busy > 0 else 0.0
+    evidence = (f"engine busy {busy:.1f} s: forward {engine.get('forward', 0):.1f} s, schedule+sample {host:.1f} s; "
+                f"requests spent {stage['prefill'] / total:.0%} in prefill and {stage['decode'] / total:.0%} in "
+                f"decode, ~{batch:.1f} sequences decoding at a time")
+    offline = Action("strata analyze --workload offline", "the per-phase roofline comparison for this model",
+                     "names the kernel-level limit")
+    if stage["prefill"] > stage["decode"]:
+        return Verdict("compute (prefill)", evidence, [offline])
+    if crossover is not None and batch >= crossover:
+        return Verdict("compute (decode batches)", evidence + f", past the planner's compute crossover (batch "
+                       f"~{crossover:.1f})",
+                       [Action(f"--max-num-seqs {max(1, int(crossover))}", "smaller decode batches: lower TPOT, "
+                               "requests queue instead (higher TTFT)", "TPOT toward the batch-1 step time"),
+                        Action("--dtype bfloat16", "where strata hw measures a faster bf16 GEMM than fp32",
+                               "decode steps at the bf16/fp32 GEMM rate ratio"), offline])
+    return Verdict("memory bandwidth (decode)", evidence + (f", below the compute crossover (~{crossover:.1f})"
+                                                            if crossover is not None else ""),
+                   [Action("--quantization int8", "fewer weight bytes streamed per decode step",
+                           "up to ~4x fewer bytes than fp32"), offline])
 
 
-def analyze_serve(server_args: list[str], model_label: str, bench_cfg, max_num_seqs: int) -> ServeAnalysis:
+def analyze_serve(server_args: list[str], model_label: str, bench_cfg, max_num_seqs: int,
+                  crossover: float | None = None) -> ServeAnalysis:
     from strata.bench.serve import run_benchmark
 
     port = _free_port()
@@ -118,7 +136,7 @@ def analyze_serve(server_args: list[str], model_label: str, bench_cfg, max_num_s
     stage = {s: delta.get("stage:" + s, 0.0) for s in STAGES}
     engine = {p: delta.get("phase:" + p, 0.0) for p in PHASES}
     engine["idle"] = max(0.0, result.duration_s - sum(engine.values()))
-    v = serve_verdict(stage, engine, result.completed, max_num_seqs, result.max_concurrency_observed)
+    v = serve_verdict(stage, engine, result.completed, max_num_seqs, result.max_concurrency_observed, crossover)
     bench = {k: getattr(result, k) for k in ("completed", "failed", "duration_s", "request_throughput",
                                               "output_throughput", "ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")}
     return ServeAnalysis(model_label, result.duration_s, result.completed, stage, engine, bench, v)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import html.parser
 
 import pytest
+import torch
 
 from strata.analyze.analyze import Workload, analyze_engine, attribute, classify
 from strata.config import EngineConfig
@@ -109,3 +110,24 @@ def test_serve_verdicts_from_stage_counters():
     assert v.layer == "scheduling / queueing" and v.actions[0].flag == "--max-num-seqs 10"
     assert serve_verdict(base, {**busy, "idle": 30.0}, 10, 8, 3).layer.startswith("load")
     assert serve_verdict(base, busy, 10, 8, 3).layer == "memory bandwidth (decode)"
+    # 5 s of summed decode over 8.3 s busy: ~0.6 sequences at a time; the crossover decides the layer
+    assert serve_verdict(base, busy, 10, 8, 3, crossover=6.0).layer == "memory bandwidth (decode)"
+    many = {**base, "decode": 100.0}  # ~12 sequences decoding at a time
+    v = serve_verdict(many, busy, 10, 32, 20, crossover=6.3)
+    assert v.layer == "compute (decode batches)" and v.actions[0].flag == "--max-num-seqs 6"
+    assert "12.0 sequences" in v.evidence
+    assert serve_verdict({**base, "prefill": 9.0}, busy, 10, 8, 3).layer == "compute (prefill)"
+
+
+def test_serve_crossover_from_the_planner(tiny_ckpt, cpu_profile, monkeypatch):
+    from strata.analyze import analyze_cli
+    from strata.analyze.plan import ModelShape, crossover_batch, resolve_model, this_device
+    from strata.hardware import probe as probe_mod
+
+    monkeypatch.setattr(probe_mod, "probe", lambda device="cpu", refresh=False: cpu_profile)
+    got = analyze_cli._decode_crossover(str(tiny_ckpt), "float32", None, 100)
+    cfg, _ = resolve_model(str(tiny_ckpt))
+    dev = this_device(cpu_profile, torch.float32, None)
+    assert got == crossover_batch(ModelShape.of(cfg, torch.float32, None, 64), dev, 100)
+    assert analyze_cli._decode_crossover(None, "float32", None, 100) is None  # demo: no verdict input
+    assert analyze_cli._decode_crossover(str(tiny_ckpt), "float64", None, 100) is None  # bad dtype: skipped
