@@ -9,6 +9,7 @@ reference twin is F.linear; tests compare the two. Without numba everything fall
 from __future__ import annotations
 
 import logging
+import threading
 
 import numpy as np
 import torch
@@ -69,11 +70,18 @@ if numba is not None:
                     out[j, r] = g / (np.float32(1.0) + np.exp(-g)) * u
 
 
+_numba_threads = threading.local()  # numba's thread count is per calling thread, so is its cache
+
+
 def sync_threads() -> int:
-    """Run numba kernels on as many threads as torch's intra-op pool (the placement decision)."""
+    """Run numba kernels on as many threads as torch's intra-op pool (the placement decision).
+
+    Called before every kernel (~150 times per decode step): numba.get_num_threads() costs ~2.5 us
+    a call here, so the count this thread last set is remembered and only torch's is read."""
     threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
-    if numba.get_num_threads() != threads:
+    if getattr(_numba_threads, "value", None) != threads:
         numba.set_num_threads(threads)
+        _numba_threads.value = threads
     return threads
 
 
@@ -99,15 +107,17 @@ def gemv_swiglu(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
 def few_fp32_rows(x: torch.Tensor, other: torch.Tensor, max_rows: int) -> bool:
     """The shared precondition of the few-row CPU kernels: numba present, x [rows <= max_rows, n],
     x and `other` (weight or cache) fp32 on CPU, no autograd (the kernels have no backward)."""
+    # ordered cheapest first, and is_cpu rather than .device.type (which builds a device object):
+    # this runs ~200 times per decode step
     return (
         numba is not None
         and x.dim() == 2
         and x.shape[0] <= max_rows
-        and x.dtype == torch.float32
-        and other.dtype == torch.float32
-        and x.device.type == "cpu"
-        and other.device.type == "cpu"
-        and not (torch.is_grad_enabled() and (x.requires_grad or other.requires_grad))
+        and x.dtype is torch.float32
+        and other.dtype is torch.float32
+        and x.is_cpu
+        and other.is_cpu
+        and not ((x.requires_grad or other.requires_grad) and torch.is_grad_enabled())
     )
 
 
