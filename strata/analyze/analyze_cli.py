@@ -6,6 +6,8 @@ import argparse
 import logging
 import sys
 
+from strata.errors import StrataError
+
 logger = logging.getLogger(__name__)
 
 ANALYZE_EPILOG = """examples:
@@ -78,7 +80,7 @@ def _decode_crossover(model: str | None, dtype: str, quantization: str | None, c
         torch_dtype = _resolve_dtype(dtype, cfg, profile)
         dev = this_device(profile, torch_dtype, quantization)
         return crossover_batch(ModelShape.of(cfg, torch_dtype, quantization, 64), dev, context)
-    except Exception as e:  # the verdict still stands without it
+    except (StrataError, ValueError, OSError) as e:  # the verdict still stands without it
         logger.info("no decode crossover for the serve verdict: %s", e)
         return None
 

@@ -5,9 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 import numpy as np
 import torch
@@ -115,29 +114,6 @@ def sync(device: str) -> None:
 
 def ratio(a: float, b: float) -> float:
     return a / b if b > 0 and math.isfinite(a) and math.isfinite(b) else float("nan")
-
-
-def fmt(v: Any) -> str:
-    if isinstance(v, float):
-        if not math.isfinite(v):
-            return "-"
-        return f"{v:.3g}" if abs(v) < 10 else f"{v:,.1f}"
-    return str(v)
-
-
-def print_table(headers: list[str], rows: list[list[Any]], file: TextIO | None = None) -> None:
-    """Right-aligned plain-text table (first column left-aligned), on stdout by default."""
-    file = file or sys.stdout
-    cells = [headers] + [[fmt(v) for v in r] for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-
-    def line(r: list[str]) -> str:
-        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
-
-    print(line(headers), file=file)
-    print("  ".join("-" * w for w in widths), file=file)
-    for r in cells[1:]:
-        print(line(r), file=file)
 
 
 def _finite(v: Any) -> Any:

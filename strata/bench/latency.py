@@ -36,7 +36,6 @@ from strata.bench.common import (
     add_model_args,
     bench_engine_kwargs,
     capture_stats,
-    print_table,
     random_prompts,
     ratio,
     resolve_model,
@@ -45,6 +44,7 @@ from strata.bench.common import (
     write_json,
 )
 from strata.errors import ConfigError, StrataError
+from strata.text_table import print_table
 
 NAME = "latency"
 HELP = "prefill time, decode tok/s and memory-bandwidth utilisation of one batch (optionally vs transformers)"

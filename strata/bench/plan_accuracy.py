@@ -26,7 +26,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from strata.bench.common import print_table, write_json
+from strata.bench.common import write_json
+from strata.text_table import print_table
 
 NAME = "plan-accuracy"
 HELP = "strata plan's predictions vs strata bench latency, measured in one run"

@@ -24,13 +24,13 @@ from strata.bench.common import (
     add_model_args,
     bench_engine_kwargs,
     parse_range,
-    print_table,
     random_prompts,
     resolve_model,
     special_ids,
     write_json,
 )
 from strata.errors import ConfigError
+from strata.text_table import print_table
 
 NAME = "preempt"
 HELP = "oversubscribed KV cache: recompute vs swap preemption, outputs checked against a reference"

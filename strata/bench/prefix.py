@@ -34,7 +34,6 @@ from strata.bench.common import (
     add_model_args,
     bench_engine_kwargs,
     parse_range,
-    print_table,
     random_prompts,
     ratio,
     resolve_model,
@@ -42,6 +41,7 @@ from strata.bench.common import (
     write_json,
 )
 from strata.errors import ConfigError
+from strata.text_table import print_table
 
 NAME = "prefix"
 HELP = "TTFT of requests sharing a long system prompt, with and without prefix caching"

@@ -41,8 +41,9 @@ from typing import Any
 import httpx
 import numpy as np
 
-from strata.bench.common import parse_range, print_table, random_prompts, write_json
+from strata.bench.common import parse_range, random_prompts, write_json
 from strata.errors import ConfigError, StrataError
+from strata.text_table import print_table
 
 NAME = "serve"
 HELP = "load-test any OpenAI-compatible server: TTFT, TPOT, ITL, throughput, goodput"

@@ -27,7 +27,6 @@ from strata.bench.common import (
     bench_engine_kwargs,
     capture_stats,
     parse_range,
-    print_table,
     random_prompts,
     ratio,
     resolve_model,
@@ -36,6 +35,7 @@ from strata.bench.common import (
     write_json,
 )
 from strata.errors import ConfigError
+from strata.text_table import print_table
 
 NAME = "throughput"
 HELP = "offline throughput on random-token requests (optionally vs transformers)"

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from strata.config import DTYPES, cache_root
+from strata.cpuinfo import cpu_model_and_flags
 from strata.errors import ConfigError
 from strata.hardware.placement import default_threads
 
@@ -120,19 +121,8 @@ def _rates(d: dict[str, Any]) -> dict[str, float]:
 
 def _cpu_info() -> tuple[str, list[str]]:
     """(model name, ISA flags of interest) from /proc/cpuinfo; generic values where unreadable."""
-    name, flags = "", set()
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        text = ""
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        key = key.strip()
-        if key == "model name" and not name:
-            name = value.strip()
-        elif key == "flags" and not flags:
-            flags = set(value.split())
-    return name or "unknown-cpu", [f for f in ISA_FLAGS if f in flags]
+    name, flags = cpu_model_and_flags()
+    return name, [f for f in ISA_FLAGS if f in flags]
 
 
 def _resolve_device(device: str) -> torch.device:

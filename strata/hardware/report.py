@@ -16,6 +16,7 @@ from typing import Any
 import psutil
 import torch
 
+from strata.cpuinfo import cpu_model_and_flags
 from strata.hardware.placement import default_threads, usable_cpus
 from strata.hardware.probe import HardwareProfile, probe
 
@@ -28,22 +29,6 @@ NVLINK_GBS_PER_LINK = {1: 40.0, 2: 50.0, 3: 50.0, 4: 50.0}  # both directions, G
 
 
 # ---------------------------------------------------------------- host
-
-
-def _cpu_flags() -> tuple[str, set[str]]:
-    name, flags = "", set()
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        text = ""
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        key = key.strip()
-        if key == "model name" and not name:
-            name = value.strip()
-        elif key == "flags" and not flags:
-            flags = set(value.split())
-    return name or "unknown-cpu", flags
 
 
 def _size_bytes(text: str) -> int:
@@ -98,7 +83,7 @@ def numa_nodes(root: Path = _SYS_NODE) -> list[dict[str, Any]]:
 
 
 def host_info() -> dict[str, Any]:
-    name, flags = _cpu_flags()
+    name, flags = cpu_model_and_flags()
     vm = psutil.virtual_memory()
     return {
         "model": name,

@@ -63,10 +63,13 @@ def available() -> bool:
     return numba is not None
 
 
+_VNNI = numba is not None and has_avx512_vnni()  # the CPU does not change under a process
+
+
 def int8_activations(rows: int, group_size: int) -> bool:
     """Whether an int4 GEMV over `rows` input rows runs the int8-activation (VNNI) kernel."""
     return (
-        numba is not None and rows == 1 and group_size % 64 == 0 and has_avx512_vnni()
+        _VNNI and rows == 1 and group_size % 64 == 0
         and os.environ.get("STRATA_INT4_FP32_ACTIVATIONS", "") in ("", "0")
     )
 

@@ -12,13 +12,13 @@ Formats: quant_formats.py. Used by cpu_quant.py; import only where numba is avai
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
+
+from strata.cpuinfo import cpu_model_and_flags
 
 
 @njit(fastmath=True, cache=True, inline="always")
@@ -63,6 +63,15 @@ def _vload(builder, data, index, vf):
 _FAST = ("fast",)
 
 
+def _hsum(builder, vec):
+    """Horizontal sum of a <16 x float> (fast-math: any order)."""
+    f32, vf = ir.FloatType(), ir.VectorType(ir.FloatType(), _VL)
+    reduce = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(f32, [f32, vf]), "llvm.vector.reduce.fadd.v16f32"
+    )
+    return builder.call(reduce, [ir.Constant(f32, 0.0), vec], fastmath=_FAST)
+
+
 @intrinsic
 def _i8_dot16(typingctx, wr, xj):  # pragma: no cover - compiled
     """sum_c wr[c] * xj[c] over the first len - len % 16 columns, in <16 x float> steps.
@@ -89,10 +98,7 @@ def _i8_dot16(typingctx, wr, xj):  # pragma: no cover - compiled
             builder.store(
                 builder.fadd(builder.load(acc), builder.fmul(wf, xv, flags=_FAST), flags=_FAST), acc
             )
-        reduce = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(f32, [f32, vf]), "llvm.vector.reduce.fadd.v16f32"
-        )
-        return builder.call(reduce, [ir.Constant(f32, 0.0), builder.load(acc)], fastmath=_FAST)
+        return _hsum(builder, builder.load(acc))
 
     return sig, codegen
 
@@ -155,10 +161,7 @@ def i4_dot(typingctx, wr, sr, xj, xs8, half):  # pragma: no cover - compiled
                 builder.fadd(builder.load(offset), builder.fmul(sg, xsg, flags=_FAST), flags=_FAST),
                 offset,
             )
-        reduce = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(f32, [f32, vf]), "llvm.vector.reduce.fadd.v16f32"
-        )
-        total = builder.call(reduce, [ir.Constant(f32, 0.0), builder.load(row)], fastmath=_FAST)
+        total = _hsum(builder, builder.load(row))
         return builder.fsub(total, builder.load(offset), flags=_FAST)
 
     return sig, codegen
@@ -199,21 +202,8 @@ def i4_row(typingctx, wr, sr, buf, half):  # pragma: no cover - compiled
 # --- int4 x int8 with AVX-512 VNNI ------------------------------------------------------------------
 
 
-@functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU feature flags of /proc/cpuinfo (empty where there is none, e.g. macOS)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
-
-
 def has_avx512_vnni() -> bool:
-    return {"avx512f", "avx512bw", "avx512_vnni"} <= cpu_flags()
+    return {"avx512f", "avx512bw", "avx512_vnni"} <= cpu_model_and_flags()[1]
 
 
 @intrinsic
@@ -273,9 +263,6 @@ def i4_dot_vnni(typingctx, wr, sr, xq, xf, half):  # pragma: no cover - compiled
             )
             scaled = builder.fmul(builder.sitofp(builder.load(acc), vf), _splat(builder, factor, vf), flags=_FAST)
             builder.store(builder.fadd(builder.load(row), scaled, flags=_FAST), row)
-        reduce = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(f32, [f32, vf]), "llvm.vector.reduce.fadd.v16f32"
-        )
-        return builder.call(reduce, [ir.Constant(f32, 0.0), builder.load(row)], fastmath=_FAST)
+        return _hsum(builder, builder.load(row))
 
     return sig, codegen

@@ -104,7 +104,7 @@ class ProfileReport:
     def format(self) -> str:
         from io import StringIO
 
-        from strata.bench.common import print_table
+        from strata.text_table import print_table
 
         buf = StringIO()
         print(f"decode hotspots ({self.steps} profiled steps on {self.device}; self time per step)", file=buf)

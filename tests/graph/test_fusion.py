@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from strata import SamplingParams
-from strata.graph import fusion
+from strata.graph import fused_ops, fusion
 from strata.graph.model_config import ModelConfig
 from strata.graph.models.llama import CausalLM
 
@@ -110,7 +110,7 @@ def test_fused_ops_match_references():
         x, res = torch.randn(rows, 64, generator=g), torch.randn(rows, 64, generator=g)
         w = torch.randn(64, generator=g)
         out, new_res = torch.ops.strata.add_rms_norm(x, res, w, 1e-6)
-        ref_out, ref_res = fusion.add_rms_norm_ref(x, res, w, 1e-6)
+        ref_out, ref_res = fused_ops.add_rms_norm_ref(x, res, w, 1e-6)
         torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(new_res, ref_res)
     gate_up = torch.randn(3, 2 * 48, generator=g)
@@ -121,12 +121,12 @@ def test_fused_ops_match_references():
     q, k = torch.randn(3, 4, 16, generator=g), torch.randn(3, 2, 16, generator=g)
     cos, sin = torch.randn(3, 1, 16, generator=g), torch.randn(3, 1, 16, generator=g)
     qr, kr = torch.ops.strata.rotary_qk(q, k, cos, sin)
-    torch.testing.assert_close(torch.cat([qr, kr], 1), fusion.rotary_ref(torch.cat([q, k], 1), cos, sin))
+    torch.testing.assert_close(torch.cat([qr, kr], 1), fused_ops.rotary_ref(torch.cat([q, k], 1), cos, sin))
     cache = torch.zeros(2, 4, 8, 2, 16)
     ref = cache.clone()
     slots = torch.tensor([3, 17, 30])
     torch.ops.strata.kv_write(cache, k, k * 2, slots)
-    fusion.kv_write_ref(ref, k, k * 2, slots)
+    fused_ops.kv_write_ref(ref, k, k * 2, slots)
     assert torch.equal(cache, ref) and cache.abs().sum() > 0
 
 

@@ -5,6 +5,7 @@ import torch
 
 from strata.kernels import cpu_attention
 from strata.kernels.attention import AttentionMetadata, _decode
+from tests.kernels.triton_kernels.triton_cases import paged_cache
 
 pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="numba not installed")
 
@@ -21,17 +22,8 @@ pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="numba not
 )
 def test_paged_decode_matches_torch(heads, kv_heads, dim, block, lens):
     g = torch.Generator().manual_seed(sum(lens) + heads)
-    num_blocks = sum(-(-n // block) for n in lens) + 3
-    cache = torch.randn(2, num_blocks, block, kv_heads, dim, generator=g)
-    perm = torch.randperm(num_blocks, generator=g).tolist()  # scattered, non-monotonic blocks
-    tables, start = [], 0
-    for n in lens:
-        need = -(-n // block)
-        tables.append(perm[start : start + need])
-        start += need
-    width = max(len(t) for t in tables)
-    table_t = torch.tensor([t + [0] * (width - len(t)) for t in tables])
-    lens_t = torch.tensor(lens)
+    cache, table_t, lens_t = paged_cache(g, lens, block, kv_heads, dim, torch.float32)  # scattered blocks
+    width = table_t.shape[1]
     q = torch.randn(len(lens), heads, dim, generator=g)
     keys = torch.arange(width * block)
     mask = (keys[None, :] < lens_t[:, None]).view(len(lens), 1, 1, -1)

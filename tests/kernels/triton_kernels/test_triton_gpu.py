@@ -17,6 +17,7 @@ pytest.importorskip("triton.language")
 from strata.engine.sampling_params import SamplingParams  # noqa: E402
 from strata.graph.layers import RotaryEmbedding  # noqa: E402
 from strata.kernels import triton as tk  # noqa: E402
+from tests.kernels.triton_kernels.triton_cases import paged_cache  # noqa: E402
 
 DEV = "cuda"
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
@@ -27,17 +28,7 @@ def _close(got, expected, dtype):
 
 
 def _paged(g, lens, block, kv_heads, dim, dtype):
-    num_blocks = sum(-(-n // block) for n in lens) + 3
-    cache = torch.randn(2, num_blocks, block, kv_heads, dim, generator=g).to(dtype)
-    perm = torch.randperm(num_blocks, generator=g).tolist()
-    tables, start = [], 0
-    for n in lens:
-        need = -(-n // block)
-        tables.append(perm[start : start + need])
-        start += need
-    width = max(len(t) for t in tables)
-    table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
-    return cache.to(DEV), table.to(DEV), torch.tensor(lens).to(DEV)
+    return tuple(t.to(DEV) for t in paged_cache(g, lens, block, kv_heads, dim, dtype))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

@@ -26,19 +26,7 @@ from strata.kernels.triton import (
     write_kv,
     write_kv_ref,
 )
-
-
-def _paged(g, lens, block, kv_heads, dim, dtype):
-    num_blocks = sum(-(-n // block) for n in lens) + 3
-    cache = torch.randn(2, num_blocks, block, kv_heads, dim, generator=g).to(dtype)
-    perm = torch.randperm(num_blocks, generator=g).tolist()
-    tables, start = [], 0
-    for n in lens:
-        need = -(-n // block)
-        tables.append(perm[start : start + need])
-        start += need
-    width = max(len(t) for t in tables)
-    return cache, torch.tensor([t + [0] * (width - len(t)) for t in tables]), torch.tensor(lens)
+from tests.kernels.triton_kernels.triton_cases import paged_cache
 
 
 @pytest.mark.parametrize(
@@ -53,7 +41,7 @@ def _paged(g, lens, block, kv_heads, dim, dtype):
 )
 def test_paged_attention_twin_matches_torch_backend(heads, kv_heads, dim, block, lens, dtype):
     g = torch.Generator().manual_seed(sum(lens) + heads)
-    cache, tables, lens_t = _paged(g, lens, block, kv_heads, dim, dtype)
+    cache, tables, lens_t = paged_cache(g, lens, block, kv_heads, dim, dtype)
     q = torch.randn(len(lens), heads, dim, generator=g).to(dtype)
     keys = torch.arange(tables.shape[1] * block)
     mask = (keys[None, :] < lens_t[:, None]).view(len(lens), 1, 1, -1)
@@ -69,7 +57,7 @@ def test_triton_backend_on_cpu_is_the_twin_and_matches_torch():
     """attention.py's "triton" backend: a mixed prefill + decode step equals the "torch" backend."""
     g = torch.Generator().manual_seed(3)
     heads, kv_heads, dim, block = 6, 2, 16, 8
-    cache0, tables, lens_t = _paged(g, [13, 30], block, kv_heads, dim, torch.float32)
+    cache0, tables, lens_t = paged_cache(g, [13, 30], block, kv_heads, dim, torch.float32)
     n_pref = 5  # a fresh 5-token prompt in its own blocks, then the two decodes
     pref_table = torch.tensor([cache0.shape[1] - 1])
     slots = torch.cat([pref_table[0] * block + torch.arange(n_pref),
@@ -158,7 +146,7 @@ def test_write_kv_twin_matches_attention_write_kv():
 
 def test_dispatch_on_cpu_runs_the_twins():
     g = torch.Generator().manual_seed(2)
-    cache, tables, lens = _paged(g, [9, 3], 4, 2, 8, torch.float32)
+    cache, tables, lens = paged_cache(g, [9, 3], 4, 2, 8, torch.float32)
     q = torch.randn(2, 4, 8, generator=g)
     assert torch.equal(paged_decode_attention(q, cache, tables, lens, 0.3),
                        paged_decode_attention_ref(q, cache, tables, lens, 0.3))
