@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 
 import torch
@@ -141,3 +141,13 @@ class EngineConfig:
             )
         if self.fuse is None:
             self.fuse = False
+
+
+def engine_default(name: str):
+    """The default of one EngineConfig field: the single place each engine default is written."""
+    for f in fields(EngineConfig):
+        if f.name == name:
+            if f.default is MISSING:
+                raise KeyError(f"EngineConfig.{name} has no default")
+            return f.default
+    raise KeyError(f"EngineConfig has no field {name!r}")

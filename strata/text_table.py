@@ -15,6 +15,15 @@ def fmt(v: Any) -> str:
     return str(v)
 
 
+def fmt_bytes(n: float) -> str:
+    """1536 -> "1.5 KiB"."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
 def print_table(headers: list[str], rows: list[list[Any]], file: TextIO | None = None) -> None:
     """Right-aligned plain-text table (first column left-aligned), on stdout by default."""
     file = file or sys.stdout

@@ -8,7 +8,7 @@
    - llama.cpp built with cmake (Release, GGML_NATIVE=ON, no OpenSSL/CURL, no web UI download),
      only llama-bench and llama-server; a stamp file keyed by the sdist version, the cmake flags
      and this CPU makes a second run skip the build;
-   - Strata's random-weight checkpoints (strata.bench.random_models) converted to GGUF f32, f16
+   - Strata's random-weight checkpoints (strata.demo.random_models) converted to GGUF f32, f16
      and q8_0 by the tree's own convert_hf_to_gguf.py (through convert_gguf.py, which overrides
      the one method that cannot know our tokenizer), each checked by a short llama-bench run.
 2. latency: batch 1, 128-token prompt, 128 output tokens (llama-bench; strata bench latency,
@@ -364,7 +364,7 @@ def render_markdown(res: dict) -> str:
     if res.get("kept_from_previous"):
         w("Carried over from an earlier run (this run skipped them): "
           + "; ".join(res["kept_from_previous"]) + ".\n")
-    w("All engines run the same random-weight checkpoints (`strata.bench.random_models`: smol-135m is "
+    w("All engines run the same random-weight checkpoints (`strata.demo.random_models`: smol-135m is "
       "SmolLM2-135M's shape, Llama architecture, 30 layers, tied embeddings; qwen-0.5b is Qwen2.5-0.5B's "
       "shape), one after another in one invocation, so figures are ratios on one machine. "
       "llama.cpp reads them as GGUF converted by its own `convert_hf_to_gguf.py`; transformers and "
@@ -900,7 +900,7 @@ def converter_env(ctx: Ctx) -> dict[str, str]:
 
 def convert(ctx: Ctx, llama: Path, shapes: list[str]) -> dict[str, dict[str, Path]]:
     """GGUF files per shape and outtype under $PEERS/gguf/<sdist version>/, converted once."""
-    from strata.bench.random_models import random_model_path
+    from strata.demo.random_models import random_model_path
 
     env = None
     out: dict[str, dict[str, Path]] = {}
@@ -1092,7 +1092,7 @@ def llama_server(ctx: Ctx, part: str, shape: str, gguf: Path, slots: int) -> Ser
 
 
 def part_throughput(ctx: Ctx, shape: str, ggufs: dict[str, Path]) -> dict:
-    from strata.bench.random_models import random_model_path
+    from strata.demo.random_models import random_model_path
 
     wl, args = ctx.wl, ctx.args
     res: dict[str, Any] = {"loadavg_before": loadavg(), "notes": []}
@@ -1146,7 +1146,7 @@ def llama_slot_list(args: argparse.Namespace) -> list[int]:
 
 def part_serving(ctx: Ctx, shape: str, ggufs: dict[str, Path], saturation: tuple[float, str] | None,
                  tp_res: dict | None = None) -> dict:
-    from strata.bench.random_models import random_model_path
+    from strata.demo.random_models import random_model_path
 
     wl, args = ctx.wl, ctx.args
     out_dir = ctx.run_dir / "serving"

@@ -19,8 +19,8 @@ ANALYZE_EPILOG = """examples:
 
 def register(sub: argparse._SubParsersAction) -> None:
     from strata.analyze import analyze as mod
-    from strata.bench.random_models import SHAPES
     from strata.cli import add_engine_args
+    from strata.demo.random_models import SHAPES
 
     p = sub.add_parser("analyze", help="run a workload instrumented; attribute its time; name the bottleneck",
                        description=mod.__doc__, epilog=ANALYZE_EPILOG,

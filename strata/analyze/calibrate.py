@@ -91,7 +91,7 @@ def _checkpoint(layers: int) -> Path:
     """A random-weight checkpoint of SHAPE with `layers` layers, written once under the cache."""
     from safetensors.torch import save_file
 
-    from strata.bench.random_models import random_state_dict
+    from strata.demo.random_models import random_state_dict
 
     cfg = dict(SHAPE, num_hidden_layers=layers, torch_dtype="float32")
     out = cache_root() / f"calib-{layers}l"
@@ -138,7 +138,7 @@ def measure_overhead(
     own prediction of the bytes-and-FLOPs part, subtracted from each measured step."""
     from strata.config import EngineConfig
     from strata.engine.llm_engine import LLMEngine
-    from strata.graph.model_config import ModelConfig
+    from strata.model_config import ModelConfig
 
     dname = str(dtype).replace("torch.", "")
     measured: dict[str, float] = {}

@@ -46,9 +46,9 @@ import torch
 
 from strata.config import DTYPES
 from strata.errors import CapacityError, ConfigError
-from strata.graph.model_config import ModelConfig
 from strata.hardware.specs import AcceleratorSpec, lookup, parse_hardware
 from strata.memory.planner import kv_bytes_per_token, plan_memory, weight_bytes
+from strata.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ class PlanRequest:
 
 def resolve_model(spec: str) -> tuple[ModelConfig, str]:
     """--model: an HF directory, a config.json, or a random shape name (smol-135m, ...)."""
-    from strata.bench.random_models import SHAPES
+    from strata.demo.random_models import SHAPES
 
     if spec in SHAPES:
         return ModelConfig.from_dict(dict(SHAPES[spec], torch_dtype="float32"), spec), spec

@@ -6,7 +6,7 @@ from html import escape
 
 from strata.analyze import svg
 from strata.analyze.plan import Plan
-from strata.memory.planner import fmt_bytes
+from strata.text_table import fmt_bytes
 
 ACT_FORMULA = ("max_num_batched_tokens x (2 x hidden + qkv width + 3 x intermediate) x bytes "
                "+ min(max_num_seqs, max_num_batched_tokens) x vocab x 4 (fp32 logits)")

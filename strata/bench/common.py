@@ -16,8 +16,8 @@ from strata.errors import ConfigError
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """Engine flags (shared with `strata generate`) plus --random-model and --compare/--json."""
-    from strata.bench.random_models import SHAPES
     from strata.cli import add_engine_args
+    from strata.demo.random_models import SHAPES
 
     add_engine_args(p)
     g = p.add_argument_group("benchmark")
@@ -36,7 +36,7 @@ def resolve_model(args: argparse.Namespace) -> str | None:
     if args.random_model is not None:
         if args.model is not None:
             raise ConfigError("give --model PATH or --random-model SHAPE, not both")
-        from strata.bench.random_models import random_model_path
+        from strata.demo.random_models import random_model_path
 
         return str(random_model_path(args.random_model))
     return args.model

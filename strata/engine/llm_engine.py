@@ -22,12 +22,13 @@ from strata.engine.sampling_params import SamplingParams
 from strata.engine.scheduler import Scheduler
 from strata.errors import ConfigError, ModelLoadError, RequestError
 from strata.graph.loader import check_model_dir, load_model
-from strata.graph.model_config import ModelConfig
 from strata.hardware.placement import set_compute_threads
 from strata.memory.blocks import BlockManager, KVUsage
 from strata.memory.kv_cache import allocate_kv_cache
-from strata.memory.planner import fmt_bytes, plan_memory
+from strata.memory.planner import plan_memory
 from strata.memory.swap import HostBlockPool, KVSwapper, PreemptionCostModel
+from strata.model_config import ModelConfig
+from strata.text_table import fmt_bytes
 
 logger = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ import torch
 from safetensors import safe_open
 
 from strata.errors import ModelLoadError
-from strata.graph.model_config import ModelConfig
 from strata.graph.models.llama import CausalLM
+from strata.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
 

@@ -297,7 +297,7 @@ def build_report(refresh: bool = False, measure: bool = True) -> dict[str, Any]:
 
 
 def _b(n: float) -> str:
-    from strata.memory.planner import fmt_bytes
+    from strata.text_table import fmt_bytes
 
     return fmt_bytes(n)
 

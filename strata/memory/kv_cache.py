@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from strata.graph.model_config import ModelConfig
+from strata.model_config import ModelConfig
 
 
 def allocate_kv_cache(

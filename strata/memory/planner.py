@@ -9,7 +9,8 @@ import psutil
 import torch
 
 from strata.errors import CapacityError
-from strata.graph.model_config import ModelConfig
+from strata.model_config import ModelConfig
+from strata.text_table import fmt_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -45,14 +46,6 @@ def free_memory(device: str) -> int:
         free, _ = torch.cuda.mem_get_info(torch.device(device))
         return int(free)
     return int(psutil.virtual_memory().available)
-
-
-def fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from strata.graph.model_config import ModelConfig
+from strata.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
 

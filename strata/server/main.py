@@ -59,7 +59,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from strata.hardware.placement import server_layout
 
     if args.random_model is not None:
-        from strata.bench.random_models import random_model_path
+        from strata.demo.random_models import random_model_path
 
         if args.model is not None:
             raise StrataError("give --model PATH or --random-model SHAPE, not both")

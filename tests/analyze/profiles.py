@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from strata.bench.random_models import SHAPES, random_state_dict
+from strata.demo.random_models import SHAPES, random_state_dict
 from strata.hardware.probe import HardwareProfile
 
 # Figures of the order measured on the dev box (Zen 4, 2 cores); synthetic, so tests never probe.

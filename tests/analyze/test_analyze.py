@@ -24,7 +24,7 @@ def demo():
 
 @pytest.fixture(scope="module")
 def smol():
-    from strata.bench.random_models import random_model_path
+    from strata.demo.random_models import random_model_path
 
     return engine(str(random_model_path("smol-135m")))
 

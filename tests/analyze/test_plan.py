@@ -22,9 +22,9 @@ from strata.analyze.plan import (
     this_device,
 )
 from strata.errors import ConfigError
-from strata.graph.model_config import ModelConfig
 from strata.hardware.specs import lookup
 from strata.memory.planner import kv_bytes_per_token, weight_bytes
+from strata.model_config import ModelConfig
 
 
 def _llama(name, hidden, inter, layers, heads, kv, vocab, tied=False, arch="LlamaForCausalLM", **kw):

@@ -16,8 +16,8 @@ import torch
 
 from strata import SamplingParams
 from strata.graph import fused_ops, fusion
-from strata.graph.model_config import ModelConfig
 from strata.graph.models.llama import CausalLM
+from strata.model_config import ModelConfig
 
 LENGTHS = (5, 40, 19)  # a 40-token prefill (torch paths) next to short ones; decode steps of 3 rows
 

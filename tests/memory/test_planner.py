@@ -7,9 +7,9 @@ import torch
 
 from strata.config import EngineConfig, parse_bytes
 from strata.errors import CapacityError, ConfigError
-from strata.graph.model_config import ModelConfig
 from strata.memory import planner
 from strata.memory.planner import kv_bytes_per_token, plan_memory
+from strata.model_config import ModelConfig
 
 LLAMA2_7B = {
     "architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "intermediate_size": 11008,
@@ -43,7 +43,7 @@ def test_param_count_llama2_7b():
 
 
 def test_param_count_matches_transformers(tiny_models):
-    from strata.graph.model_config import ModelConfig as MC
+    from strata.model_config import ModelConfig as MC
 
     for m in tiny_models.values():
         cfg = MC.from_file(m.path / "config.json")

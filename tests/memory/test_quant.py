@@ -27,9 +27,9 @@ from conftest import FAMILIES, make_llm, random_prompt
 from strata.config import EngineConfig
 from strata.errors import ConfigError
 from strata.graph.loader import load_model
-from strata.graph.model_config import ModelConfig
 from strata.memory.planner import weight_bytes
 from strata.memory.quant import QuantEmbedding, QuantLinear, model_weight_bytes, quantize_model
+from strata.model_config import ModelConfig
 
 METHODS = ("int8", "int4")
 PROJ = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")

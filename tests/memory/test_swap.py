@@ -2,8 +2,8 @@
 
 import torch
 
-from strata.graph.model_config import ModelConfig
 from strata.memory.swap import HostBlockPool, KVSwapper, PreemptionCostModel
+from strata.model_config import ModelConfig
 
 CFG = ModelConfig.from_dict({
     "architectures": ["LlamaForCausalLM"], "hidden_size": 32, "intermediate_size": 64,

@@ -40,8 +40,8 @@ def test_protocol_round_trip_is_msgpack_not_pickle():
 
 
 def test_random_model_tokenizer_covers_the_vocabulary(tmp_path):
-    from strata.bench.random_tokenizer import write_tokenizer
     from strata.demo.model import demo_model_path
+    from strata.demo.random_tokenizer import write_tokenizer
     from strata.engine.tokenizer import Tokenizer
 
     write_tokenizer(tmp_path, 5000)

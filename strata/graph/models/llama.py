@@ -14,13 +14,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from strata.graph.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rotary
-from strata.graph.model_config import ModelConfig
 from strata.kernels.attention import (
     AttentionMetadata,
     fused_decode_attention,
     fused_decode_usable,
     paged_attention,
 )
+from strata.model_config import ModelConfig
 
 
 class Attention(nn.Module):

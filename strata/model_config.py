@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from strata.config import DTYPES
-from strata.errors import ModelLoadError
+from strata.errors import ConfigError, ModelLoadError
 
 # architecture -> family flags; every family is a Llama-shaped decoder with small differences.
 SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool]] = {
@@ -117,6 +117,21 @@ class ModelConfig:
         except (OSError, json.JSONDecodeError) as e:
             raise ModelLoadError(f"{path}: cannot parse config.json ({e})") from None
         return cls.from_dict(d, str(path))
+
+    def max_model_len(self, requested: int | None) -> int:
+        """The context length an engine (and the planner) uses: `requested`, default the model's
+        max_position_embeddings, refused above it, capped to the sliding window (sliding-window
+        attention is not implemented; within the window it is exact)."""
+        limit = self.max_position_embeddings
+        want = requested or limit
+        if want > limit:
+            raise ConfigError(
+                f"max_model_len: {want} exceeds the model's max_position_embeddings ({limit}); "
+                f"use max_model_len <= {limit}"
+            )
+        if self.sliding_window is not None and want > self.sliding_window:
+            want = self.sliding_window
+        return want
 
     def num_params(self) -> int:
         """Parameter count implied by the shapes (embeddings counted once when tied)."""

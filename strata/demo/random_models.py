@@ -101,7 +101,7 @@ def random_model_path(shape: str, seed: int = 0) -> Path:
 def _ensure_tokenizer(path: Path, vocab_size: int) -> None:
     """Give the checkpoint a tokenizer covering its vocabulary (serving benchmarks send text), when
     its vocabulary is at least the demo tokenizer's; smaller shapes take token-id prompts only."""
-    from strata.bench.random_tokenizer import write_tokenizer
+    from strata.demo.random_tokenizer import write_tokenizer
 
     if (path / "tokenizer.json").is_file():
         return
