@@ -24,6 +24,7 @@ demo: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check strata tests
+	$(VENV)/bin/lint-imports
 
 test: $(STAMP) lint
 	$(PY) -m pytest

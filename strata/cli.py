@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+from strata.engine.args import EngineArgs
 from strata.errors import StrataError
 
 GENERATE_EXAMPLES = """examples:
@@ -18,52 +19,6 @@ GENERATE_EXAMPLES = """examples:
     (prompts.jsonl: one JSON object per line with "prompt" (text) or "prompt_token_ids",
      optionally per-request sampling fields such as "max_tokens" or "temperature")
 """
-
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="HF model directory (default: the built-in demo model)")
-    g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (default: auto)")
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--kv-cache-memory", default=None, help="KV cache size, e.g. 2GiB (default: from free memory)")
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--max-num-seqs", type=int, default=128)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--threads", type=int, default=None, help="compute threads (default: physical cores)")
-    g.add_argument("--device", default="cpu")
-    g.add_argument("--quantization", default=None, choices=["int8", "int4"],
-                   help="weight-only quantisation of the dense projections at load (default: none)")
-    g.add_argument("--quantization-group-size", type=int, default=64, choices=[32, 64, 128],
-                   help="int4: input columns sharing one scale (default: 64)")
-    g.add_argument("--no-prefix-caching", action="store_true",
-                   help="do not share cached KV blocks between requests with equal prompt prefixes")
-    g.add_argument("--preemption-mode", default="auto", choices=["auto", "recompute", "swap"],
-                   help="when KV blocks run out: recompute, swap to host memory, or auto (cost model)")
-    g.add_argument("--swap-space", default=None,
-                   help="host KV pool for swapping, e.g. 4GiB (default: size of the KV cache, <= 4GiB)")
-    g.add_argument("--fuse", action=argparse.BooleanOptionalAction, default=None,
-                   help="run the step as an FX graph with fused ops (add+RMSNorm, SiLU*up, rotary q/k, KV "
-                   "write; graph/fusion.py) (default: off; on CPU the eager step's hand-placed numba "
-                   "kernels measured faster)")
-    g.add_argument("--compile", action="store_true",
-                   help="torch.compile the decode step (the FX-traced, fused step; batch padded to buckets) "
-                   "(default: off, eager)")
-    g.add_argument("--cuda-graphs", action="store_true",
-                   help="capture the decode step as CUDA graphs per batch bucket and replay it (CUDA only)")
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(
-        dtype=args.dtype, max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory,
-        block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.threads, device=args.device,
-        quantization=getattr(args, "quantization", None),
-        quantization_group_size=getattr(args, "quantization_group_size", 64),
-        enable_prefix_caching=not getattr(args, "no_prefix_caching", False),
-        preemption_mode=args.preemption_mode, swap_space=args.swap_space,
-        fuse=getattr(args, "fuse", None), compile=getattr(args, "compile", False),
-        cuda_graphs=getattr(args, "cuda_graphs", False),
-    )
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -95,7 +50,7 @@ def sampling_from_args(args: argparse.Namespace, llm, overrides: dict | None = N
     """Flags given explicitly, else the checkpoint's generation_config.json, else greedy."""
     kw = {f: getattr(args, f) for f in _SAMPLING_FIELDS if getattr(args, f, None) is not None}
     kw.update({k: v for k, v in (overrides or {}).items() if k in _SAMPLING_FIELDS})
-    from strata import SamplingParams
+    from strata.engine.sampling_params import SamplingParams
 
     return SamplingParams(**{"temperature": 0.0, **llm.engine.generation_defaults, **kw})
 
@@ -164,14 +119,15 @@ def _print_fusions(llm) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from strata import LLM
+    from strata.engine.llm import LLM
 
     if (args.prompt is None) == (args.input is None):
         raise StrataError("give exactly one of --prompt TEXT or --input prompts.jsonl")
-    kwargs = engine_kwargs(args)
-    if args.print_fusions and kwargs["fuse"] is None:
+    engine_args = EngineArgs.from_cli_args(args)
+    kwargs = engine_args.config_kwargs()
+    if args.print_fusions and kwargs.get("fuse") is None:
         kwargs["fuse"] = True
-    llm = LLM(args.model, **kwargs)
+    llm = LLM(engine_args.model_path(), **kwargs)
     if args.print_fusions:
         _print_fusions(llm)
     if args.prompt is not None:
@@ -222,19 +178,24 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--print-fusions", action="store_true",
                    help="print how many of each FX fusion pattern were rewritten (turns on --fuse unless "
                    "--no-fuse)")
-    add_engine_args(g)
+    EngineArgs.add_cli_args(g)
     add_sampling_args(g)
     g.set_defaults(func=cmd_generate)
     from strata.server.main import SERVE_EXAMPLES, add_serve_args, cmd_serve
 
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server", epilog=SERVE_EXAMPLES,
                         formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_engine_args(sv)
+    EngineArgs.add_cli_args(sv)
     add_serve_args(sv)
     sv.set_defaults(func=cmd_serve)
     from strata.bench import cli as bench_cli
 
-    bench_cli.register(sub)
+    bench_sub = bench_cli.register(sub)
+    from strata.analyze import (
+        plan_accuracy,  # `strata bench plan-accuracy`: the planner vs bench latency
+    )
+
+    bench_cli.add_module(bench_sub, plan_accuracy)
     from strata.analyze import cli as analyze_cli  # `strata hw`, `strata plan`
 
     analyze_cli.register(sub)

@@ -6,6 +6,8 @@ import argparse
 import logging
 import sys
 
+from strata.config import engine_default
+from strata.engine.args import EngineArgs
 from strata.errors import StrataError
 
 logger = logging.getLogger(__name__)
@@ -19,15 +21,11 @@ ANALYZE_EPILOG = """examples:
 
 def register(sub: argparse._SubParsersAction) -> None:
     from strata.analyze import analyze as mod
-    from strata.cli import add_engine_args
-    from strata.demo.random_models import SHAPES
 
     p = sub.add_parser("analyze", help="run a workload instrumented; attribute its time; name the bottleneck",
                        description=mod.__doc__, epilog=ANALYZE_EPILOG,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_engine_args(p)
-    p.add_argument("--random-model", default=None, choices=sorted(SHAPES), metavar="SHAPE",
-                   help=f"random-weight checkpoint of a named shape ({', '.join(SHAPES)}); excludes --model")
+    EngineArgs.add_cli_args(p)
     p.add_argument("--json", default=None, metavar="FILE", help="write the analysis to FILE as JSON")
     g = p.add_argument_group("workload")
     g.add_argument("--workload", default="offline", choices=["offline", "serve"],
@@ -45,20 +43,14 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _serve_args(args: argparse.Namespace) -> list[str]:
     """The engine flags given on this command line, forwarded to `strata serve`."""
-    out = ["--random-model", args.random_model] if args.random_model else []
-    if args.model:
-        out += ["--model", args.model]
-    for flag in ("dtype", "max_model_len", "kv_cache_memory", "block_size", "max_num_seqs", "max_num_batched_tokens",
-                 "threads", "device", "quantization", "preemption_mode", "swap_space", "tokenizer_workers"):
-        v = getattr(args, flag, None)
-        if v is not None:
-            out += ["--" + flag.replace("_", "-"), str(v)]
-    if args.no_prefix_caching:
-        out.append("--no-prefix-caching")
+    out = EngineArgs.from_cli_args(args).to_cli()
+    if args.tokenizer_workers is not None:
+        out += ["--tokenizer-workers", str(args.tokenizer_workers)]
     return out
 
 
-def _decode_crossover(model: str | None, dtype: str, quantization: str | None, context: int) -> float | None:
+def _decode_crossover(model: str | None, dtype: str, quantization: str | None, context: int,
+                      group_size: int = engine_default("quantization_group_size")) -> float | None:
     """The planner's compute crossover batch for this model on this machine (cached `strata hw`);
     None when it cannot be had (no model directory, or no measured profile for the dtype)."""
     if model is None:
@@ -79,7 +71,7 @@ def _decode_crossover(model: str | None, dtype: str, quantization: str | None, c
         profile = probe("cuda:0" if torch.cuda.is_available() else "cpu")
         torch_dtype = _resolve_dtype(dtype, cfg, profile)
         dev = this_device(profile, torch_dtype, quantization)
-        return crossover_batch(ModelShape.of(cfg, torch_dtype, quantization, 64), dev, context)
+        return crossover_batch(ModelShape.of(cfg, torch_dtype, quantization, group_size), dev, context)
     except (StrataError, ValueError, OSError) as e:  # the verdict still stands without it
         logger.info("no decode crossover for the serve verdict: %s", e)
         return None
@@ -97,7 +89,8 @@ def cmd_analyze_serve(args: argparse.Namespace) -> int:
                            tokenizer=model, progress=True)
     context = (cfg.input_len[0] + cfg.input_len[1]) / 2 + (cfg.output_len[0] + cfg.output_len[1]) / 4
     a = analyze_serve(_serve_args(args), model or "demo", cfg, args.max_num_seqs,
-                      _decode_crossover(model, args.dtype, args.quantization, int(context)))
+                      _decode_crossover(model, args.dtype, args.quantization, int(context),
+                                        args.quantization_group_size))
     print(format_text(a))
     if args.json:
         write_json(args.json, a.to_json())
@@ -109,15 +102,12 @@ def cmd_analyze(args: argparse.Namespace) -> int:
         return cmd_analyze_serve(args)
     from strata.analyze.analyze import Workload, analyze_engine
     from strata.analyze.analyze_report import format_html, format_text
-    from strata.bench.common import parse_range, resolve_model, write_json
-    from strata.cli import engine_kwargs
-    from strata.config import EngineConfig
+    from strata.bench.common import parse_range, write_json
     from strata.engine.llm_engine import LLMEngine
 
     w = Workload(args.num_prompts, parse_range(args.input_len, "--input-len"),
                  parse_range(args.output_len, "--output-len"), args.seed)
-    kw = engine_kwargs(args)
-    engine = LLMEngine(EngineConfig(model=resolve_model(args), **kw))
+    engine = LLMEngine(EngineArgs.from_cli_args(args).create_engine_config())
     print(f"analyzing {args.num_prompts} requests on {engine.model_path} ...", file=sys.stderr)
     analysis = analyze_engine(engine, w)
     print(format_text(analysis))

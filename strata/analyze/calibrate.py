@@ -114,7 +114,7 @@ def _decode_step_seconds(engine, batch: int) -> float:
     """Seconds of a decode step with `batch` sequences (prefill steps excluded): the 20th
     percentile, so that steps slowed by other processes on a shared machine do not count, as the
     probe's best-of-N timings do not."""
-    from strata import SamplingParams
+    from strata.engine.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=DECODE_STEPS, ignore_eos=True)
     for i in range(batch):

@@ -65,6 +65,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     hw.set_defaults(func=cmd_hw)
 
     from strata.analyze import plan as plan_mod
+    from strata.config import engine_default
 
     p = sub.add_parser("plan", help="memory, roofline, parallelism and cost of a model on named or this hardware",
                        description=plan_mod.__doc__, epilog=PLAN_EPILOG,
@@ -72,19 +73,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", required=True, help="HF directory, config.json, or a random shape (smol-135m, "
                    "qwen-0.5b, tiny)")
     p.add_argument("--hardware", default="this", help="NAME, NAMExN (e.g. H100x8) or 'this' (default)")
-    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (default auto, as the engine)")
+    p.add_argument("--dtype", default=engine_default("dtype"),
+                   help="auto | float32 | bfloat16 | float16 (default auto, as the engine)")
     p.add_argument("--quantization", default=None, choices=["int8", "int4"])
-    p.add_argument("--quantization-group-size", type=int, default=64, choices=[32, 64, 128])
+    p.add_argument("--quantization-group-size", type=int, default=engine_default("quantization_group_size"),
+                   choices=[32, 64, 128])
     p.add_argument("--max-model-len", type=int, default=None, help="L (default: the model's max positions)")
     p.add_argument("--batch", type=int, default=64, help="largest decode batch B (default 64)")
     p.add_argument("--input-len", type=int, default=None, help="prefill prompt tokens (default L)")
     p.add_argument("--context", type=int, default=None, help="decode context per sequence (default L)")
     p.add_argument("--kv-cache-memory", default=None, help="KV cache size as the engine flag, e.g. 2GiB")
-    p.add_argument("--memory-fraction", type=float, default=0.5,
-                   help="this: share of free memory for KV when --kv-cache-memory is unset (engine default 0.5)")
-    p.add_argument("--max-num-seqs", type=int, default=128)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--memory-fraction", type=float, default=engine_default("memory_fraction"),
+                   help="this: share of free memory for KV when --kv-cache-memory is unset "
+                   f"(engine default {engine_default('memory_fraction'):g})")
+    p.add_argument("--max-num-seqs", type=int, default=engine_default("max_num_seqs"))
+    p.add_argument("--block-size", type=int, default=engine_default("block_size"))
+    p.add_argument("--max-num-batched-tokens", type=int, default=engine_default("max_num_batched_tokens"))
     p.add_argument("--price-per-hour", type=float, default=None, help="for all N devices, e.g. 24.0")
     p.add_argument("--alpha-us", type=float, default=None,
                    help="all-reduce per-message latency (default 5 us NVLink/IF, 10 us PCIe: an assumption)")

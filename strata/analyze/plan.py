@@ -44,17 +44,27 @@ from typing import Any
 
 import torch
 
-from strata.config import DTYPES
+from strata.analyze.cost_model import (
+    Device,
+    ModelShape,
+    Prefill,
+    Step,
+    _kv_split,
+    allreduce_seconds,
+    crossover_batch,
+    decode_step,
+    prefill,
+    spec_device,
+    this_device,
+)
+from strata.config import DTYPES, engine_default
 from strata.errors import CapacityError, ConfigError
-from strata.hardware.specs import AcceleratorSpec, lookup, parse_hardware
-from strata.memory.planner import kv_bytes_per_token, plan_memory, weight_bytes
+from strata.hardware.specs import lookup, parse_hardware
+from strata.memory.planner import plan_memory
 from strata.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
-# alpha (per-message latency) is on no datasheet: an assumption of NCCL-typical order, shown in
-# the output and overridable with --alpha-us
-DEFAULT_ALPHA_US = {"nvlink": 5.0, "pcie": 10.0}
 # `this` device: prefill is priced from one layer timed at the model's shapes (layer_probe.py)
 # when that costs at most this long; larger models fall back to the measured rates
 LAYER_PROBE_BUDGET_S = 5.0
@@ -67,18 +77,18 @@ LAYER_PROBE_BUDGET_S = 5.0
 class PlanRequest:
     model: str
     hardware: str = "this"
-    dtype: str = "auto"
+    dtype: str = engine_default("dtype")
     quantization: str | None = None
-    group_size: int = 64
+    group_size: int = engine_default("quantization_group_size")
     max_model_len: int | None = None  # L; default the model's max_position_embeddings
     batch: int = 64  # B: decode batches 1..B
     input_len: int | None = None  # prefill prompt; default L
     context: int | None = None  # decode context per sequence; default L
     kv_cache_memory: int | None = None  # like the engine flag
-    memory_fraction: float = 0.5  # `this`: the engine's default share of free memory
-    max_num_seqs: int = 128
-    block_size: int = 16
-    max_num_batched_tokens: int = 2048
+    memory_fraction: float = engine_default("memory_fraction")  # `this`: the engine's default share of free memory
+    max_num_seqs: int = engine_default("max_num_seqs")
+    block_size: int = engine_default("block_size")
+    max_num_batched_tokens: int = engine_default("max_num_batched_tokens")
     price_per_hour: float | None = None
     alpha_us: float | None = None
     refresh: bool = False
@@ -98,276 +108,6 @@ def resolve_model(spec: str) -> tuple[ModelConfig, str]:
             f"--model {spec!r}: not a directory, config.json or shape name; shapes: {', '.join(SHAPES)}"
         )
     return ModelConfig.from_file(path), str(spec)
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """The counts the formulas need, derived from a ModelConfig."""
-
-    cfg: ModelConfig
-    params: int
-    p_lin: int  # dense projections of every layer + lm_head
-    p_layers: int  # dense projections of every layer
-    stream_bytes: int  # weight bytes read per decode step
-    weight_bytes: int  # weight bytes held
-    kv_per_token: int
-    attn_flops_per_pos: int  # 4 * layers * heads * head_dim: one query against one cached position
-    act_itemsize: int
-
-    @classmethod
-    def of(cls, cfg: ModelConfig, dtype: torch.dtype, quantization: str | None, group: int) -> ModelShape:
-        h, d = cfg.hidden_size, cfg.head_dim
-        per_layer = (h * d * (cfg.num_heads + 2 * cfg.num_kv_heads) + cfg.num_heads * d * h
-                     + 3 * h * cfg.intermediate_size)
-        p_layers = cfg.num_layers * per_layer
-        held = weight_bytes(cfg, dtype, quantization, group)
-        untied_embedding = 0 if cfg.tie_word_embeddings else cfg.vocab_size * h * dtype.itemsize
-        return cls(
-            cfg=cfg, params=cfg.num_params(), p_lin=p_layers + cfg.vocab_size * h, p_layers=p_layers,
-            stream_bytes=held - untied_embedding, weight_bytes=held,
-            kv_per_token=kv_bytes_per_token(cfg, dtype),
-            attn_flops_per_pos=4 * cfg.num_layers * cfg.num_heads * d, act_itemsize=dtype.itemsize,
-        )
-
-
-@dataclass(frozen=True)
-class Device:
-    """The rates of one device that the formulas read (per device; `count` of them)."""
-
-    name: str
-    source: str
-    kind: str  # "cpu" | "gpu"
-    count: int
-    memory_bytes: int
-    available_bytes: int | None  # `this`: free now (the engine sizes its KV cache from it)
-    stream_gbs: float  # weights streamed at batch 1
-    mem_gbs: float  # KV and other reads
-    few_rows: int  # rows up to which `few_rows_gflops` applies (0: one rate)
-    few_rows_gflops: float
-    gemm_gflops: float
-    attn_gflops: float = 0.0  # prefill attention (causal SDPA); 0: the GEMM rate
-    link: str | None = None
-    link_gbs: float = 0.0  # per direction, per device
-    alpha_s: float = 0.0
-    measured: bool = False
-    torch_device: str | None = None  # `this`: "cpu" / "cuda:0"
-    notes: tuple[str, ...] = ()
-
-    def rate(self, rows: int) -> float:
-        return (self.few_rows_gflops if rows <= self.few_rows else self.gemm_gflops) * 1e9
-
-
-def spec_device(spec: AcceleratorSpec, count: int, dtype: torch.dtype, alpha_us: float | None) -> Device:
-    dname = str(dtype).replace("torch.", "")
-    peak = spec.peak_flops(dname) / 1e9
-    if spec.link and 1 < count <= (spec.link_max_devices or count):
-        link, link_gbs = spec.link, (spec.link_gbs or 0.0) / 2
-        alpha = DEFAULT_ALPHA_US["nvlink"] if alpha_us is None else alpha_us
-    else:
-        link, link_gbs = f"PCIe gen{spec.pcie_gen} x16", spec.pcie_gbs
-        alpha = DEFAULT_ALPHA_US["pcie"] if alpha_us is None else alpha_us
-    notes = [f"datasheet peaks ({spec.source}); dense FLOP/s, real kernels reach less"]
-    if spec.note:
-        notes.append(spec.note)
-    return Device(
-        name=spec.name, source=spec.source, kind="gpu", count=count, memory_bytes=spec.memory_bytes,
-        available_bytes=None, stream_gbs=spec.mem_bandwidth_gbs, mem_gbs=spec.mem_bandwidth_gbs,
-        few_rows=0, few_rows_gflops=peak, gemm_gflops=peak, attn_gflops=peak, link=link, link_gbs=link_gbs,
-        alpha_s=alpha * 1e-6, notes=tuple(notes),
-    )
-
-
-def this_device(profile, dtype: torch.dtype, quantization: str | None) -> Device:
-    """Rates measured on this machine (a HardwareProfile), matched to the kernels Strata runs."""
-    from strata.hardware.probe import MATMUL_BATCH
-
-    dname = str(dtype).replace("torch.", "")
-    cpu = profile.device == "cpu"
-
-    def need(table: dict[str, float], key: str, what: str) -> float:
-        if key not in table or table[key] <= 0:
-            raise ConfigError(f"this machine's profile has no {what} figure for {key}; run strata hw --refresh")
-        return table[key]
-
-    notes = [f"measured on this machine by strata hw ({profile.name}, {profile.threads} threads)"]
-    if cpu and quantization is not None:
-        stream = need(profile.quant_linear_gbs, quantization, "quantised batch-1")
-        few = need(profile.quant_matmul_gflops, quantization, "quantised batch-16")
-        gemm = need(profile.gemm_gflops, "float32", "GEMM")
-        attn = profile.sdpa_gflops.get("float32", 0.0)
-        if dname != "float32":
-            notes.append(f"quantised kernels need float32 activations; {dname} dequantises per call")
-        notes.append("quantised prefill = tile dequantisation + fp32 GEMM; the dequantisation is not modelled")
-    else:
-        stream = need(profile.linear_gbs, dname, "batch-1 linear")
-        few = need(profile.matmul_gflops, dname, "batched linear")
-        gemm = need(profile.gemm_gflops, dname, "GEMM")
-        attn = profile.sdpa_gflops.get(dname, 0.0)
-        if quantization is not None:
-            notes.append("Strata has no GPU quantised kernels: it dequantises per call; predicted as fused")
-    if not attn:
-        notes.append("no measured attention rate for this dtype: prefill attention at the GEMM rate")
-    if cpu:
-        import psutil
-
-        available = int(psutil.virtual_memory().available)
-    else:
-        available = int(torch.cuda.mem_get_info(torch.device(profile.device))[0])
-    return Device(
-        name=f"this ({profile.name})", source="measured (strata hw)", kind="cpu" if cpu else "gpu", count=1,
-        memory_bytes=profile.memory_bytes, available_bytes=available, stream_gbs=stream,
-        mem_gbs=profile.mem_bandwidth_gbs, few_rows=MATMUL_BATCH if cpu else 0, few_rows_gflops=few,
-        gemm_gflops=gemm, attn_gflops=attn, measured=True, torch_device=profile.device, notes=tuple(notes),
-    )
-
-
-# ---------------------------------------------------------------- formulas
-
-
-def allreduce_seconds(nbytes: float, n: int, bw_gbs: float, alpha_s: float) -> dict[str, float]:
-    """Alpha-beta all-reduce times of `nbytes` over n devices with per-direction bandwidth bw."""
-    if n <= 1:
-        return {"ring": 0.0, "tree": 0.0}
-    bw = bw_gbs * 1e9
-    ring = 2 * (n - 1) / n * nbytes / bw + 2 * (n - 1) * alpha_s
-    tree = 2 * math.log2(n) * (alpha_s + nbytes / bw)
-    return {"ring": ring, "tree": tree}
-
-
-@dataclass(frozen=True)
-class Step:
-    batch: int
-    context: int
-    tp: int
-    bytes: float
-    flops: float
-    mem_s: float
-    compute_s: float
-    roofline_s: float
-    kernel_s: float  # the prediction for the bytes and FLOPs (= roofline on datasheets)
-    overhead_s: float
-    comm_s: float
-    bound: str
-
-    @property
-    def total_s(self) -> float:
-        return self.kernel_s + self.overhead_s + self.comm_s
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.batch / self.total_s if self.total_s > 0 else float("inf")
-
-    @property
-    def intensity(self) -> float:
-        return self.flops / self.bytes if self.bytes else float("inf")
-
-
-def _kv_split(cfg: ModelConfig, tp: int) -> int:
-    return tp if cfg.num_kv_heads % tp == 0 else 1
-
-
-def decode_step(shape: ModelShape, dev: Device, batch: int, context: int, tp: int = 1,
-                overhead=None) -> Step:
-    cfg = shape.cfg
-    w = shape.stream_bytes / tp
-    kv = batch * context * shape.kv_per_token / _kv_split(cfg, tp)
-    f_lin = 2 * batch * shape.p_lin / tp
-    f_att = batch * context * shape.attn_flops_per_pos / tp
-    stream, mem = dev.stream_gbs * 1e9, dev.mem_gbs * 1e9
-    mem_s = w / stream + kv / mem
-    compute_s = (f_lin + f_att) / dev.rate(batch)
-    roofline = max(mem_s, compute_s)
-    if dev.few_rows and batch <= dev.few_rows:  # measured kernel line between 1 and few_rows rows
-        t1 = w / stream
-        tn = 2 * dev.few_rows * shape.p_lin / tp / dev.rate(dev.few_rows)
-        lin = t1 + (batch - 1) * max(0.0, tn - t1) / max(1, dev.few_rows - 1)
-        kernel = lin + max(kv / mem, f_att / dev.rate(batch))
-    elif dev.few_rows:
-        kernel = max(w / stream, f_lin / dev.rate(batch)) + max(kv / mem, f_att / dev.rate(batch))
-    else:
-        kernel = roofline
-    comm = 0.0
-    if tp > 1:
-        nbytes = cfg.hidden_size * shape.act_itemsize * batch
-        comm = 2 * cfg.num_layers * min(allreduce_seconds(nbytes, tp, dev.link_gbs, dev.alpha_s).values())
-    over = overhead.at(batch, cfg.num_layers) if overhead is not None else 0.0
-    return Step(batch, context, tp, w + kv, f_lin + f_att, mem_s, compute_s, roofline, kernel, over, comm,
-                "compute" if compute_s > mem_s else "memory")
-
-
-@dataclass(frozen=True)
-class Prefill:
-    tokens: int
-    chunks: int
-    flops: float
-    bytes: float
-    compute_s: float  # projections + attention (at the rates, or the layer probe's times)
-    attention_s: float  # the attention part of compute_s
-    weight_read_s: float
-    overhead_s: float
-    comm_s: float
-    elementwise_s: float = 0.0  # norms, rotary, SiLU * up, KV write: measured by the layer probe only
-    source: str = "roofline"  # "roofline" (rates) | "layer probe" (this device's measured layer)
-
-    @property
-    def total_s(self) -> float:
-        return self.compute_s + self.elementwise_s + self.weight_read_s + self.overhead_s + self.comm_s
-
-    @property
-    def intensity(self) -> float:
-        return self.flops / self.bytes
-
-
-def prefill(shape: ModelShape, dev: Device, tokens: int, chunk: int, tp: int = 1, overhead=None,
-            layer=None) -> Prefill:
-    """Prefill of one `tokens`-token prompt. `layer` (layer_probe.LayerTimes, `this` device):
-    measured per-layer times at min(tokens, chunk) tokens replace the rates; projections and
-    elementwise work scale with tokens, attention with its causal FLOPs."""
-    cfg = shape.cfg
-    chunks = -(-tokens // chunk)
-    attn = 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * tokens * (tokens + 1) / tp
-    lin = (2 * shape.p_layers * tokens + 2 * cfg.vocab_size * cfg.hidden_size) / tp
-    flops = lin + attn
-    w = chunks * shape.stream_bytes / tp
-    elementwise_s, source = 0.0, "roofline"
-    if layer is not None:
-        n, per_token = cfg.num_layers / tp, tokens / layer.tokens
-        attn_s = n * layer.attention_s * tokens * (tokens + 1) / (layer.tokens * (layer.tokens + 1))
-        compute_s = n * layer.gemm_s * per_token + attn_s
-        elementwise_s = n * layer.elementwise_s * per_token
-        # the layers' weight reads are inside their measured times; the lm_head's GEMV is not
-        read_s = chunks * cfg.vocab_size * cfg.hidden_size * shape.act_itemsize / tp / (dev.stream_gbs * 1e9)
-        source = "layer probe"
-    else:
-        attn_s = attn / ((dev.attn_gflops or dev.gemm_gflops) * 1e9)
-        compute_s = lin / dev.rate(min(tokens, chunk)) + attn_s
-        read_s = w / (dev.stream_gbs * 1e9)
-    comm = 0.0
-    if tp > 1:
-        nbytes = cfg.hidden_size * shape.act_itemsize * min(tokens, chunk)
-        comm = chunks * 2 * cfg.num_layers * min(allreduce_seconds(nbytes, tp, dev.link_gbs, dev.alpha_s).values())
-    over = chunks * overhead.at(1, cfg.num_layers) if overhead is not None else 0.0
-    return Prefill(tokens, chunks, flops, w + tokens * shape.kv_per_token / tp, compute_s, attn_s, read_s, over,
-                   comm, elementwise_s, source)
-
-
-def crossover_batch(shape: ModelShape, dev: Device, context: int, tp: int = 1) -> float | None:
-    """Smallest batch where the roofline's FLOP time reaches its byte time; None if never
-    (per-sequence KV bytes outgrow per-sequence FLOPs at this context)."""
-    w_s = shape.stream_bytes / tp / (dev.stream_gbs * 1e9)
-    kv_s = context * shape.kv_per_token / _kv_split(shape.cfg, tp) / (dev.mem_gbs * 1e9)
-    flops = (2 * shape.p_lin + context * shape.attn_flops_per_pos) / tp
-    candidates = [(dev.few_rows, dev.few_rows_gflops), (None, dev.gemm_gflops)] if dev.few_rows else [
-        (None, dev.gemm_gflops)]
-    lo = 0
-    for hi, gflops in candidates:
-        per = flops / (gflops * 1e9) - kv_s
-        if per > 0:
-            b = w_s / per
-            if b >= lo and (hi is None or b <= hi):
-                return max(1.0, b)
-        lo = hi or 0
-    return None
 
 
 def activation_bytes(cfg: ModelConfig, itemsize: int, tokens: int, rows: int, tp: int = 1) -> int:
@@ -468,19 +208,6 @@ def _batches(b_max: int) -> list[int]:
         b *= 2
     return out + [b_max]
 
-
-def _max_model_len(cfg: ModelConfig, requested: int | None) -> int:
-    """The engine's rule (LLMEngine._max_model_len), without its logging."""
-    want = requested or cfg.max_position_embeddings
-    if want > cfg.max_position_embeddings:
-        raise ConfigError(
-            f"--max-model-len {want} exceeds the model's max_position_embeddings ({cfg.max_position_embeddings})"
-        )
-    if cfg.sliding_window is not None and want > cfg.sliding_window:
-        want = cfg.sliding_window
-    return want
-
-
 def memory_part(shape: ModelShape, dev: Device, req: PlanRequest, dtype: torch.dtype, max_len: int,
                 tp: int = 1) -> MemoryPart:
     """Memory per device. The KV capacity comes from planner.plan_memory with an explicit budget:
@@ -566,7 +293,7 @@ def build_plan(req: PlanRequest, profile=None, overhead=None) -> Plan:
         dtype = _resolve_dtype(req.dtype, cfg, None)
         dev = spec_device(spec, count, dtype, req.alpha_us)
     shape = ModelShape.of(cfg, dtype, req.quantization, req.group_size)
-    max_len = _max_model_len(cfg, req.max_model_len)
+    max_len = cfg.max_model_len(req.max_model_len)
     input_len = req.input_len or max_len
     context = req.context or max_len
     if is_this and overhead is None:
@@ -647,4 +374,3 @@ def _best(plan: Plan) -> dict[str, Any] | None:
     o = max(usable, key=lambda o: o.best_tokens_per_s)
     return {"tp": o.tp, "replicas": o.replicas, "batch": o.best_batch, "tokens_per_s": o.best_tokens_per_s,
             "cost_per_mtok": o.cost_per_mtok}
-

@@ -5,13 +5,22 @@ from __future__ import annotations
 import argparse
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def add_module(bsub: argparse._SubParsersAction, mod) -> None:
+    """One `strata bench NAME` subcommand from a module with NAME, HELP, add_arguments and main."""
+    p = bsub.add_parser(mod.NAME, help=mod.HELP, description=mod.__doc__,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    mod.add_arguments(p)
+    p.set_defaults(func=mod.main)
+
+
+def register(sub: argparse._SubParsersAction) -> argparse._SubParsersAction:
+    """Adds `strata bench` and the benchmarks in strata/bench; returns its subparsers, so that
+    strata/cli.py can add those living above bench (strata/analyze/plan_accuracy.py) with
+    add_module()."""
     bench = sub.add_parser("bench", help="benchmarks (print a table; --json FILE)")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
-    from strata.bench import latency, plan_accuracy, preempt, prefix, serve, throughput
+    from strata.bench import latency, preempt, prefix, serve, throughput
 
-    for mod in (throughput, latency, prefix, preempt, serve, plan_accuracy):
-        p = bsub.add_parser(mod.NAME, help=mod.HELP, description=mod.__doc__,
-                            formatter_class=argparse.RawDescriptionHelpFormatter)
-        mod.add_arguments(p)
-        p.set_defaults(func=mod.main)
+    for mod in (throughput, latency, prefix, preempt, serve):
+        add_module(bsub, mod)
+    return bsub

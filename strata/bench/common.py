@@ -11,21 +11,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from strata.engine.args import EngineArgs
 from strata.errors import ConfigError
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    """Engine flags (shared with `strata generate`) plus --random-model and --compare/--json."""
-    from strata.cli import add_engine_args
-    from strata.demo.random_models import SHAPES
-
-    add_engine_args(p)
+    """Engine flags (EngineArgs: shared with `strata generate` and `serve`) plus --compare/--json."""
+    EngineArgs.add_cli_args(p)
     g = p.add_argument_group("benchmark")
-    g.add_argument(
-        "--random-model", default=None, choices=sorted(SHAPES), metavar="SHAPE",
-        help=f"random-weight checkpoint of a named shape ({', '.join(SHAPES)}), written once "
-        "under $STRATA_CACHE; excludes --model",
-    )
     g.add_argument("--compare", choices=["hf"], default=None,
                    help="also run the same requests through transformers in this process")
     g.add_argument("--json", default=None, metavar="FILE", help="write every figure to FILE as JSON")
@@ -33,13 +26,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 def resolve_model(args: argparse.Namespace) -> str | None:
     """Checkpoint directory from --model / --random-model; None selects the demo model."""
-    if args.random_model is not None:
-        if args.model is not None:
-            raise ConfigError("give --model PATH or --random-model SHAPE, not both")
-        from strata.demo.random_models import random_model_path
-
-        return str(random_model_path(args.random_model))
-    return args.model
+    return EngineArgs.from_cli_args(args).model_path()
 
 
 def bench_engine_kwargs(args: argparse.Namespace, need_len: int, num_seqs: int) -> dict:
@@ -48,9 +35,7 @@ def bench_engine_kwargs(args: argparse.Namespace, need_len: int, num_seqs: int) 
     Unset --max-model-len becomes the longest request, and max_num_seqs never exceeds the number
     of requests; neither changes scheduling, but both shrink the default KV cache reservation.
     """
-    from strata.cli import engine_kwargs
-
-    kw = engine_kwargs(args)
+    kw = EngineArgs.from_cli_args(args).all_kwargs()
     if kw["max_model_len"] is None:
         kw["max_model_len"] = need_len
     elif kw["max_model_len"] < need_len:

@@ -102,7 +102,7 @@ def _row(name: str, f: dict) -> list:
 
 def _strata_run(llm, prompts: list[list[int]], output_len: int) -> tuple[float, float]:
     """(prefill_s, decode_s) from the requests' own timeline stamps."""
-    from strata import SamplingParams
+    from strata.engine.sampling_params import SamplingParams
 
     sp = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     outs = llm.generate(prompts, sp, use_tqdm=False)
@@ -115,7 +115,7 @@ def _strata_run(llm, prompts: list[list[int]], output_len: int) -> tuple[float, 
 
 
 def main(args: argparse.Namespace) -> int:
-    from strata import LLM
+    from strata.engine.llm import LLM
     from strata.hardware.probe import measure_mem_bandwidth
 
     for flag, v, lo in (("--batch", args.batch, 1), ("--input-len", args.input_len, 1),
@@ -182,7 +182,7 @@ def main(args: argparse.Namespace) -> int:
     rows = [_row("strata", results["strata"])]
     report = None
     if profile:
-        from strata import SamplingParams
+        from strata.engine.sampling_params import SamplingParams
         from strata.kernels.profile import profile_decode
 
         again = random_prompts(np.random.default_rng(args.seed + 1000), vocab, [args.input_len] * args.batch, avoid)

@@ -49,7 +49,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _run(model, kwargs: dict, prompts, params) -> tuple[dict, list[list[int]], object]:
-    from strata import LLM, SamplingParams
+    from strata.engine.llm import LLM
+    from strata.engine.sampling_params import SamplingParams
 
     llm = LLM(model, **kwargs)
     # untimed warm-up with a few full prompts, so the first large step's one-off costs (fresh
@@ -73,7 +74,8 @@ def _run(model, kwargs: dict, prompts, params) -> tuple[dict, list[list[int]], o
 
 
 def main(args: argparse.Namespace) -> int:
-    from strata import LLM, SamplingParams
+    from strata.engine.llm import LLM
+    from strata.engine.sampling_params import SamplingParams
 
     if not 0 < args.kv_fraction < 1:
         raise ConfigError(f"--kv-fraction must be in (0, 1), got {args.kv_fraction}")

@@ -63,7 +63,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _run(llm, prompts: list[list[int]], fill: list[list[int]], warm: list[int], output_len: int) -> dict:
     """Warm-up (`fill`, then `warm`: the system prompt stays most recently used), then every prompt
     at once; figures from the requests' timelines."""
-    from strata import SamplingParams
+    from strata.engine.sampling_params import SamplingParams
 
     short = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     llm.generate(fill, short, use_tqdm=False)
@@ -98,7 +98,7 @@ def _row(name: str, f: dict) -> list:
 def main(args: argparse.Namespace) -> int:
     if args.compare is not None:
         raise ConfigError("--compare: bench prefix compares Strata with and without prefix caching only")
-    if args.no_prefix_caching:
+    if not args.enable_prefix_caching:
         raise ConfigError("--no-prefix-caching: bench prefix runs both with and without the cache itself")
     for flag, v, lo in (("--num-prompts", args.num_prompts, 1), ("--prefix-len", args.prefix_len, 1),
                         ("--output-len", args.output_len, 1)):
@@ -111,7 +111,7 @@ def main(args: argparse.Namespace) -> int:
     model = resolve_model(args)
     kw = bench_engine_kwargs(args, need, args.num_prompts)
 
-    from strata import LLM
+    from strata.engine.llm import LLM
 
     results: dict = {}
     info: dict = {}

@@ -65,7 +65,8 @@ def _row(name: str, f: dict) -> list:
 
 
 def main(args: argparse.Namespace) -> int:
-    from strata import LLM, SamplingParams
+    from strata.engine.llm import LLM
+    from strata.engine.sampling_params import SamplingParams
 
     if args.num_prompts < 1:
         raise ConfigError(f"--num-prompts: must be >= 1, got {args.num_prompts}")

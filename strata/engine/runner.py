@@ -6,11 +6,18 @@ tokens are flattened: prefill chunks first, then one token per decoding sequence
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from strata.engine.scheduler import SchedulerOutput
+from strata.engine.scheduler import ScheduledSeq, SchedulerOutput
 from strata.graph.models.llama import CausalLM
-from strata.kernels.attention import AttentionMetadata, PrefillSpan
+from strata.kernels.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    PrefillSpan,
+    resolve_backend,
+)
 from strata.memory.kv_cache import copy_blocks
 from strata.memory.swap import KVSwapper
 
@@ -18,18 +25,21 @@ from strata.memory.swap import KVSwapper
 class ModelRunner:
     def __init__(
         self, model: CausalLM, kv_caches: list[torch.Tensor], block_size: int, device: str,
-        attention_backend: str = "sdpa",
+        attention_backend: AttentionBackend | str = "sdpa", *, forward: Callable | None = None,
+        decode_step: Callable | None = None, swapper: KVSwapper | None = None,
     ) -> None:
+        """forward: the step's forward, the model itself or its FX-fused step (graph/fusion.py);
+        decode_step: tried first for all-decode steps (graph/capture.py: torch.compile / CUDA
+        graphs; returns None for a step it does not capture); swapper: copies swapped KV blocks
+        (None without swap space)."""
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = torch.device(device)
-        self.backend = attention_backend
-        self.swapper: KVSwapper | None = None  # set by the engine when swap space exists
-        # the step's forward: the model, or its FX-fused step (graph/fusion.py); all-decode steps
-        # go to decode_step first when set (graph/capture.py: torch.compile / CUDA graphs)
-        self.forward = model
-        self.decode_step = None
+        self.backend = resolve_backend(attention_backend)
+        self.forward = forward or model
+        self.decode_step = decode_step
+        self.swapper = swapper
 
     def _tensor(self, data, dtype=torch.long) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype, device=self.device)
@@ -63,7 +73,7 @@ class ModelRunner:
             spans.append(PrefillSpan(begin, begin + n, start, table, mask))
             if s.samples:
                 logit_rows.append(len(ids) - 1)
-                order.append(seq)
+                order.append(s)
         p = len(ids)
         decode_tables = decode_mask = decode_lens = None
         if decodes:
@@ -77,11 +87,11 @@ class ModelRunner:
             positions.append(dpos_t)
             slots.append(self._tensor(dslots))
             decode_lens = dpos_t + 1
-            if self.backend != "cpu":  # the numba kernel reads lengths, not a mask
+            if self.backend.uses_decode_mask:  # torch/sdpa; the numba and Triton kernels read lengths
                 keys = torch.arange(max_blocks * bs, device=self.device)
                 decode_mask = (keys[None, :] <= dpos_t[:, None]).view(len(decodes), 1, 1, -1)
             logit_rows += range(p, len(ids))
-            order += [s.seq for s in decodes]
+            order += decodes
         meta = AttentionMetadata(
             slot_mapping=torch.cat(slots) if len(slots) > 1 else slots[0],
             prefills=spans,
@@ -94,9 +104,21 @@ class ModelRunner:
         pos_t = torch.cat(positions) if len(positions) > 1 else positions[0]
         return self._tensor(ids), pos_t, meta, self._tensor(logit_rows), order
 
+    def _sampling_rows(self, order: list[ScheduledSeq]):
+        """Each sampling sequence with its logits row: a request forking this step (n > 1) has
+        its siblings sample from the parent's row. Returns (sequences, row index or None)."""
+        seqs = [s.seq for s in order]
+        if not any(s.forks for s in order):
+            return seqs, None
+        seqs, rows = [], []
+        for r, s in enumerate(order):
+            seqs += [s.seq, *s.forks]
+            rows += [r] * (1 + len(s.forks))
+        return seqs, torch.tensor(rows, device=self.device)
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput):
-        """Run one step; returns (logits [rows, vocab] fp32, the sequence of each row)."""
+        """Run one step; returns (logits [rows, vocab] fp32, the sequence sampling each row)."""
         if self.swapper is not None:
             self.swapper.wait()  # last step's prefetches: those sequences run now
             self.swapper.swap_out(out.swap_out)  # before the freed blocks are written again
@@ -113,4 +135,7 @@ class ModelRunner:
         if not order:
             return None, []
         logits = self.model.compute_logits(hidden.index_select(0, rows))
-        return logits.float(), order
+        seqs, expand = self._sampling_rows(order)
+        if expand is not None:
+            logits = logits[expand]
+        return logits.float(), seqs

@@ -8,6 +8,12 @@ and it returns to the head of the queue, to re-prefill prompt + output later) or
 blocks are copied to the host pool and brought back, one step ahead, before new admissions). The
 scheduler never touches tensors: it records block copies for the runner.
 
+The scheduler also owns the request lifecycle: it creates a request's first sequence, forks a
+request with n > 1 into n sequences in the step that computes its prompt's last token (the
+children sample their first token from the parent's logits row, and after the step share the
+parent's prompt blocks), and, in `update`, applies each step's sampled tokens and stop conditions
+(engine/lifecycle.py) and frees what finished. The engine's step is schedule -> execute -> sample -> update.
+
 Prefix caching: a sequence admitted with no computed tokens first takes the longest run of its
 full blocks that the block manager has cached, and starts computing after them. Only blocks that
 end before the last known token count, so at least that token is computed (its logits are needed)
@@ -17,19 +23,21 @@ of computed KV are registered in the cache.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from strata.engine.request import SeqStatus, Sequence
+from strata.engine.lifecycle import SequenceLifecycle
+from strata.engine.request import Request, SeqStatus, Sequence
 from strata.memory.blocks import BlockManager, PrefixMatch
-from strata.memory.swap import HostBlockPool
 
 
 @dataclass
 class ScheduledSeq:
     seq: Sequence
     num_tokens: int  # new tokens to compute this step
+    forks: list[Sequence] = field(default_factory=list)  # n > 1: siblings sampling from seq's row
 
     @property
     def samples(self) -> bool:
@@ -53,8 +61,10 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(
         self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-        host_pool: HostBlockPool | None = None, prefer_swap: Callable[[Sequence], bool] | None = None,
+        prefer_swap: Callable[[Sequence], bool] | None = None, lifecycle: SequenceLifecycle | None = None,
     ) -> None:
+        """prefer_swap(seq): the preemption policy when the block manager has a host pool
+        (default: always swap when it has room). lifecycle: sequence creation and stop rules."""
         self.blocks = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -62,15 +72,36 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()  # KV in host memory, resumed before new admissions
         self._prefetched: list[Sequence] = []  # swap-in started last step; they run this step
-        self.host = host_pool
-        self.prefer_swap = prefer_swap
+        self.prefer_swap = prefer_swap or (lambda seq: True)
+        self.lifecycle = lifecycle or SequenceLifecycle()
         self._pending_copies: list[tuple[int, int]] = []
         self.num_preemptions = 0
         self.num_swapped_out = 0
 
+    def add_request(self, req: Request) -> Sequence:
+        """Queue a new request: its first sequence (the others fork from it later)."""
+        seq = self.lifecycle.new_sequence(req, 0)
+        self.add(seq)
+        return seq
+
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
         self.waiting.append(seq)
+
+    def abort(self, req: Request) -> None:
+        """Stop every unfinished sequence of `req` wherever it is; all of its blocks are freed."""
+        for seq in req.seqs:
+            if not seq.finished:
+                self.finish(seq)
+                seq.finish_reason = "abort"
+        req.forked = True
+
+    def finish_sequence(self, req: Request, index: int, reason: str, stop_reason: int | str | None = None) -> None:
+        """End one completion of a request (e.g. a stop string a front end found)."""
+        for seq in req.seqs:
+            if seq.index == index and not seq.finished:
+                seq.finish_reason, seq.stop_reason = reason, stop_reason
+                self.finish(seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.swapped or self._prefetched)
@@ -112,7 +143,35 @@ class Scheduler:
                 self.running.append(seq)
                 out.scheduled.append(ScheduledSeq(seq, n))
                 budget -= n
+        now = time.time()
+        for s in out.scheduled:
+            timeline = s.seq.request.timeline
+            if timeline.first_scheduled is None:
+                timeline.first_scheduled = now
+            if s.samples and not s.seq.request.forked:
+                self._fork_request(s)
         return out
+
+    def _fork_request(self, s: ScheduledSeq) -> None:
+        """n > 1: this step computes the prompt's last token, so the other n - 1 sequences are
+        made now and sample their first token from the parent's logits row; they get the prompt's
+        KV in `update`, once the step has written it (_start_forks)."""
+        req = s.seq.request
+        req.forked = True
+        s.forks = [self.lifecycle.new_sequence(req, i) for i in range(1, req.params.n)]
+
+    def _start_forks(self, s: ScheduledSeq) -> None:
+        """The children share the parent's full prompt blocks; its partial last block is copied
+        before the next step. With no block free for that copy, a child recomputes instead."""
+        n = s.seq.num_computed_tokens
+        for child in s.forks:
+            if n % self.blocks.block_size and self.blocks.num_free == 0:
+                self.add(child)
+                continue
+            self._pending_copies += self.blocks.fork(s.seq, child, n)
+            child.num_computed_tokens = n
+            child.status = SeqStatus.RUNNING
+            self.running.append(child)
 
     def _match_prefix(self, seq: Sequence) -> PrefixMatch | None:
         """Cached blocks for a sequence starting from scratch: only blocks that end before its
@@ -141,11 +200,8 @@ class Scheduler:
         self.running.remove(seq)
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        n = self.blocks.blocks_for(seq.num_computed_tokens)
-        if n and self.host is not None and self.host.num_free >= n and self.prefer_swap(seq):
-            seq.host_blocks = self.host.allocate(n)
-            out.swap_out += list(zip(seq.block_table[:n], seq.host_blocks))  # copied before reuse
-            self.blocks.free(seq)
+        if self.blocks.can_swap_out(seq) and self.prefer_swap(seq):
+            out.swap_out += self.blocks.swap_out(seq)  # copied before the freed blocks are reused
             seq.status = SeqStatus.SWAPPED
             self.num_swapped_out += 1
             self.swapped.appendleft(seq)
@@ -163,34 +219,33 @@ class Scheduler:
             if not self.blocks.can_allocate(seq, seq.num_computed_tokens + 1):  # + its next token
                 break
             self.swapped.popleft()
-            self.blocks.allocate(seq, seq.num_computed_tokens)
-            out.swap_in += list(zip(seq.host_blocks, seq.block_table))
-            self.host.free(seq.host_blocks)  # later swap-outs wait for this copy (KVSwapper)
-            seq.host_blocks = []
+            out.swap_in += self.blocks.swap_in(seq)
             self._prefetched.append(seq)
 
-    def update(self, out: SchedulerOutput) -> None:
-        """After the step ran: the scheduled tokens now have KV in the cache.
-
-        Blocks that became full of computed KV are offered to the prefix cache.
-        """
+    def update(
+        self, out: SchedulerOutput, seqs: list[Sequence] = (), sampled=None, now: float | None = None,
+    ) -> list[Request]:
+        """After the step ran: the scheduled tokens now have KV in the cache (blocks that became
+        full of computed KV are offered to the prefix cache), each sequence in `seqs` takes its
+        token from `sampled` (token_ids, logprobs), and finished sequences are freed. Returns the
+        requests that advanced, in order."""
         bs = self.blocks.block_size
         for s in out.scheduled:
             seq = s.seq
             before = seq.num_computed_tokens
             seq.num_computed_tokens += s.num_tokens
             self.blocks.register(seq, before // bs, seq.num_computed_tokens // bs)
-
-    def fork(self, parent: Sequence, child: Sequence) -> None:
-        """Start `child` from the parent's computed prompt KV (shared full blocks)."""
-        n = parent.num_computed_tokens
-        if n % self.blocks.block_size and self.blocks.num_free == 0:
-            self.add(child)  # no block for the partial copy: the child recomputes instead
-            return
-        self._pending_copies += self.blocks.fork(parent, child, n)
-        child.num_computed_tokens = n
-        child.status = SeqStatus.RUNNING
-        self.running.append(child)
+        for s in out.scheduled:
+            if s.forks:
+                self._start_forks(s)
+        touched: dict[str, Request] = {}
+        if seqs:
+            now = time.time() if now is None else now
+            for seq, tok, lp in zip(seqs, sampled.token_ids, sampled.logprobs):
+                if self.lifecycle.append(seq, tok, lp, now):
+                    self.finish(seq)
+                touched[seq.request.request_id] = seq.request
+        return list(touched.values())
 
     def finish(self, seq: Sequence, status: SeqStatus = SeqStatus.FINISHED) -> None:
         """Remove a finished or aborted sequence wherever it is and free its blocks."""
@@ -200,8 +255,7 @@ class Scheduler:
             self.waiting.remove(seq)
         elif seq in self.swapped:
             self.swapped.remove(seq)
-            self.host.free(seq.host_blocks)
-            seq.host_blocks = []
+            self.blocks.free_host(seq)
         elif seq in self._prefetched:  # its in-flight copy completes before the blocks are reused
             self._prefetched.remove(seq)
         self.blocks.free(seq)

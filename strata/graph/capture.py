@@ -11,18 +11,12 @@ that the engine allocates past the block manager's range (so no sequence's cache
 their outputs are never read (the runner picks the real rows). W grows with the longest context:
 torch.compile marks it dynamic (one graph for every width); CUDA graphs pad it to a power of two.
 
-torch.compile. The model's own forward cannot be compiled in one piece on CPU: its decode path
-calls numba kernels, which dynamo cannot trace (a graph break at every kernel call). What is
-compiled is the FX-traced step of graph/fusion.py with the fusion passes of COMPILE_PATTERNS,
-lowered so that every numba kernel is an opaque torch.library op: projections -> strata::linear,
-decode attention -> strata::paged_decode, the KV write -> strata::kv_write; dynamo then captures
-the whole step as one graph, and inductor generates code for the rest.
-Batch 1 compiles a static graph; the first other bucket recompiles it with the batch dimension
-dynamic (dynamo's automatic dynamic shapes), which then serves every bucket, so a run compiles
-about twice. Compilations are counted and logged (`compiles`), and torch._dynamo's recompile
-limit is raised to the number of buckets, so even with fully static shapes every bucket would get
-its graph rather than falling back to eager. Quantised projections (QuantLinear) are not opaque ops
-yet, so EngineConfig refuses compile with quantization.
+torch.compile. What is compiled is the FX-traced, fused step lowered so that every numba kernel is
+an opaque op (graph/capture_passes.py: compiled_step). Batch 1 compiles a static graph; every
+larger bucket passes its padded inputs with the batch dimension marked dynamic
+(torch._dynamo.mark_dynamic), so the first of them compiles one dynamic-batch graph that then
+serves them all: a run compiles about twice, within dynamo's default recompile limits (no global
+dynamo setting is changed). Compilations are counted and logged (`compiles`).
 
 CUDA graphs (GPU only). For each (batch bucket, width bucket) met, the decode step is captured once
 into static input buffers (warm-up on a side stream first, one memory pool for all graphs) and
@@ -33,7 +27,6 @@ what is captured.
 from __future__ import annotations
 
 import logging
-import operator
 from collections.abc import Callable
 
 import torch
@@ -41,8 +34,8 @@ import torch.fx as fx
 from torch import Tensor
 
 from strata.errors import ConfigError
-from strata.graph.layers import Linear
-from strata.kernels.attention import AttentionMetadata
+from strata.graph.trace_gate import TRACE_GATE
+from strata.kernels.attention import AttentionBackend, AttentionMetadata, resolve_backend
 
 logger = logging.getLogger(__name__)
 
@@ -74,122 +67,16 @@ def _width_bucket(w: int, cap: int) -> int:
     return max(w, min(b, cap))
 
 
-def _decode_attention(q: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
-    """The compiled step's attention: all-decode, so the prefill branch of attend_cached is gone."""
-    return torch.ops.strata.paged_decode.default(
-        q, kv_cache, meta.decode_block_tables, meta.decode_context_lens, meta.decode_mask, scale, meta.backend
-    )
+def _mark_dynamic(b: int, ids: Tensor, positions: Tensor, slots: Tensor, tables: Tensor, lens: Tensor) -> None:
+    """Dynamic dimensions for torch.compile: the block-table width always (one graph for every
+    width), and the batch for buckets above 1 (batch 1 keeps its static graph; the others share one
+    dynamic-batch graph, so compilations stay at about two without raising dynamo's limits)."""
+    import torch._dynamo
 
-
-def _slice_of(n, source: fx.Node, index: tuple) -> bool:
-    return (
-        isinstance(n, fx.Node) and n.op == "call_function" and n.target is operator.getitem
-        and n.args[0] is source and n.args[1] == index
-    )
-
-
-def _rope_store_pass(graph: fx.Graph) -> int:
-    """rotary_qk of q|k views of the qkv projection + kv_write of the rotated k and the v view
-    -> strata::rope_store (the eager decode's numba rotary + KV-write kernel). Needs the decode-only
-    attention first, so that rotated k and v feed nothing but the cache write."""
-    rot, write = torch.ops.strata.rotary_qk.default, torch.ops.strata.kv_write.default
-    done = 0
-    for kw in [n for n in graph.nodes if n.op == "call_function" and n.target is write]:
-        cache, k, v, slots = kw.args
-        if not (k.op == "call_function" and k.target is operator.getitem and k.args[1] == 1):
-            continue
-        rq = k.args[0]
-        if not (rq.op == "call_function" and rq.target is rot) or len(k.users) != 1 or len(v.users) != 1:
-            continue
-        q_in, k_in, cos, sin = rq.args
-        qk = q_in.args[0] if q_in.op == "call_function" and q_in.target is operator.getitem else None
-        if qk is None or not (qk.op == "call_method" and qk.target == "view" and len(qk.args) == 4):
-            continue
-        heads_kv, dim = qk.args[2], qk.args[3]
-        heads = q_in.args[1][1].stop if isinstance(q_in.args[1], tuple) and len(q_in.args[1]) == 3 else None
-        if not isinstance(heads, int):
-            continue
-        full = slice(None, None, None)
-        if not (_slice_of(q_in, qk, (Ellipsis, slice(None, heads, None), full))
-                and _slice_of(k_in, qk, (Ellipsis, slice(heads, None, None), full))):
-            continue
-        qk_src = qk.args[0]
-        kv_heads = heads_kv - heads
-        if not (qk_src.op == "call_function" and qk_src.target is operator.getitem):
-            continue
-        qkv = qk_src.args[0]
-        width = heads_kv * dim
-        if not (_slice_of(qk_src, qkv, (Ellipsis, slice(None, width, None)))
-                and v.op == "call_method" and v.target == "view" and v.args[2:] == (kv_heads, dim)
-                and _slice_of(v.args[0], qkv, (Ellipsis, slice(width, None, None)))):
-            continue
-        q_out = [u for u in rq.users if u is not k]
-        with graph.inserting_before(kw):
-            q_new = graph.call_function(
-                torch.ops.strata.rope_store.default, (qkv, cos, sin, cache, slots, heads, kv_heads)
-            )
-        for u in q_out:  # getitem(rq, 0)
-            u.replace_all_uses_with(q_new)
-            graph.erase_node(u)
-        graph.erase_node(kw)
-        graph.erase_node(k)
-        graph.erase_node(rq)
-        done += 1
-    return done
-
-
-def _swiglu_pass(graph: fx.Graph) -> int:
-    """strata::linear of the gate/up weight (no bias) followed by silu_mul -> strata::linear_swiglu
-    (the eager decode's numba GEMV with its SwiGLU epilogue)."""
-    lin, silu = torch.ops.strata.linear.default, torch.ops.strata.silu_mul.default
-    done = 0
-    for n in [n for n in graph.nodes if n.op == "call_function" and n.target is silu]:
-        p = n.args[0]
-        if p.op == "call_function" and p.target is lin and p.args[2] is None and len(p.users) == 1:
-            with graph.inserting_before(n):
-                new = graph.call_function(torch.ops.strata.linear_swiglu.default, (p.args[0], p.args[1]))
-            n.replace_all_uses_with(new)
-            graph.erase_node(n)
-            graph.erase_node(p)
-            done += 1
-    return done
-
-
-def lower_for_compile(gm: fx.GraphModule, device_type: str = "cpu") -> fx.GraphModule:
-    """A decode-only copy of a traced step whose kernels are all opaque ops for dynamo:
-
-    - dense projections -> strata::linear (the numba GEMV inside is not traceable);
-    - attend_cached -> strata::paged_decode (the step is all-decode: no prefill branch);
-    - on CPU, the eager decode's hand-fused kernels where the fused graph has their pattern:
-      linear + silu_mul -> strata::linear_swiglu, rotary_qk + kv_write -> strata::rope_store.
-
-    Shares the original's modules and parameters."""
-    from strata.graph.fusion import attend_cached, dce
-
-    graph = fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))
-    for n in list(graph.nodes):
-        if n.op == "call_module" and type(gm.get_submodule(n.target)) is Linear:  # not QuantLinear & co.
-            mod = gm.get_submodule(n.target)
-            with graph.inserting_before(n):
-                w = graph.get_attr(f"{n.target}.weight")
-                b = graph.get_attr(f"{n.target}.bias") if mod.bias is not None else None
-                new = graph.call_function(torch.ops.strata.linear.default, (n.args[0], w, b))
-        elif n.op == "call_function" and n.target is attend_cached:
-            q, _k, _v, kv_cache, meta, scale = n.args
-            with graph.inserting_before(n):
-                new = graph.call_function(_decode_attention, (q, kv_cache, meta, scale))
-        else:
-            continue
-        n.replace_all_uses_with(new)
-        graph.erase_node(n)
-    if device_type == "cpu":
-        dce(graph)
-        _swiglu_pass(graph)
-        _rope_store_pass(graph)
-    dce(graph)
-    graph.lint()
-    return fx.GraphModule(gm, graph, "CompiledDecodeStep")
+    torch._dynamo.mark_dynamic(tables, 1)
+    if b > 1:
+        for t in (ids, positions, slots, tables, lens):
+            torch._dynamo.mark_dynamic(t, 0)
 
 
 class DecodeCapture:
@@ -206,7 +93,7 @@ class DecodeCapture:
         kv_caches: list[Tensor],
         *,
         block_size: int,
-        backend: str,
+        backend: AttentionBackend | str,
         scratch_block: int,
         max_num_seqs: int,
         max_model_len: int,
@@ -222,7 +109,7 @@ class DecodeCapture:
             )
         self.kv_caches = kv_caches
         self.block_size = block_size
-        self.backend = backend
+        self.backend = resolve_backend(backend)
         self.device = device
         self.scratch_block = scratch_block
         self.buckets = batch_buckets(max_num_seqs)
@@ -237,11 +124,6 @@ class DecodeCapture:
         self._step = step
         fn = self._decode
         if compile:
-            import torch._dynamo
-
-            cfg = torch._dynamo.config
-            cfg.recompile_limit = max(cfg.recompile_limit, len(self.buckets) + 2)
-            cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 4 * len(self.buckets) + 8)
             fn = torch.compile(fn, backend=self._compiler)
         self._fn = fn
 
@@ -258,7 +140,7 @@ class DecodeCapture:
     def _decode(self, ids: Tensor, positions: Tensor, slots: Tensor, tables: Tensor, lens: Tensor,
                 kv_caches: list[Tensor]) -> Tensor:
         mask = None
-        if self.backend != "cpu":  # torch/sdpa decode take a padding mask; the numba kernel reads lens
+        if self.backend.uses_decode_mask:  # torch/sdpa read a padding mask; numba and triton read lens
             keys = torch.arange(tables.shape[1] * self.block_size, device=ids.device)
             mask = (keys[None, :] < lens[:, None]).view(ids.shape[0], 1, 1, -1)
         meta = AttentionMetadata(
@@ -269,9 +151,13 @@ class DecodeCapture:
 
     # -- the step -------------------------------------------------------------------------------
     def __call__(self, ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor | None:
-        n = ids.shape[0]
         if meta.num_prefill_tokens != 0 or meta.decode_block_tables is None:
             return None
+        with TRACE_GATE.shared():  # a forward: no FX trace may patch module calls meanwhile
+            return self._run(ids, positions, meta)
+
+    def _run(self, ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor | None:
+        n = ids.shape[0]
         b = bucket_for(n, self.buckets)
         if b is None:
             return None
@@ -290,7 +176,7 @@ class DecodeCapture:
         else:
             slots = meta.slot_mapping
         if self.compile:
-            torch._dynamo.mark_dynamic(tables, 1)
+            _mark_dynamic(b, ids, positions, slots, tables, lens)
         return self._fn(ids, positions, slots, tables, lens, self.kv_caches)
 
     def _pad(self, ids, positions, slots, tables, lens, b: int, width: int):
@@ -353,8 +239,8 @@ class _CapturedDecode:
         self.tables = torch.full((b, width), scratch, dtype=torch.long, device=dev)
         self.lens = torch.ones(b, dtype=torch.long, device=dev)
         args = (self.ids, self.positions, self.slots, self.tables, self.lens, owner.kv_caches)
-        if owner.compile:  # one compiled graph for every width bucket
-            torch._dynamo.mark_dynamic(self.tables, 1)
+        if owner.compile:  # one compiled graph for every width bucket (and every batch bucket > 1)
+            _mark_dynamic(b, *args[:5])
         stream = torch.cuda.Stream(device=dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(stream):  # warm-up (and compilation) outside the capture
@@ -385,34 +271,32 @@ class _CapturedDecode:
         return self.out
 
 
-# Fusion passes in the compiled step. kv_write is always one: the cache write is an in-place
-# update of a graph input, which dynamo would otherwise functionalise. On CPU the other patterns
-# are left to inductor, which fuses each into one C++ loop: measured faster than calling the
-# custom ops, whose CPU bodies are the torch references plus ~9 us of dispatch each (see
-# docs/design-notes.md). On CUDA the custom ops carry the Triton kernels.
-COMPILE_PATTERNS: dict[str, tuple[str, ...]] = {
-    "cpu": ("add_rms_norm", "silu_mul", "rotary_qk", "kv_write"),
-    "cuda": ("add_rms_norm", "silu_mul", "rotary_qk", "kv_write"),
-}
+def build_decode_capture(
+    model: torch.nn.Module,
+    step: Callable,
+    kv_caches: list[Tensor],
+    *,
+    backend: AttentionBackend | str,
+    scratch_block: int,
+    block_size: int,
+    max_num_seqs: int,
+    max_model_len: int,
+    device: str,
+    compile: bool,
+    cuda_graphs: bool,
+) -> DecodeCapture | None:
+    """The decode capture for these settings, or None when neither compile nor cuda_graphs is on.
 
-
-def compiled_step(model, device_type: str) -> fx.GraphModule:
-    """The graph torch.compile gets: the traced step with the compile fusion passes, lowered."""
-    from strata.graph.fusion import fuse_model
-
-    return lower_for_compile(fuse_model(model, COMPILE_PATTERNS[device_type]).graph_module, device_type)
-
-
-def build_decode_capture(engine) -> DecodeCapture | None:
-    """The engine's DecodeCapture per its config (compile / cuda_graphs), or None."""
-    cfg = engine.config
-    if not (cfg.compile or cfg.cuda_graphs):
+    `step` is the eager step (the model, or its fused step) that CUDA graphs capture without
+    compile; with compile, the step compiled is graph/capture_passes.compiled_step(model, ...).
+    `scratch_block` is the KV block past the block manager's range that padded rows write into."""
+    if not (compile or cuda_graphs):
         return None
-    step = engine.runner.forward
-    if cfg.compile:
-        step = compiled_step(engine.model, "cuda" if cfg.device.startswith("cuda") else "cpu")
+    if compile:  # FX tracing and the fused ops are imported only when compile is on
+        from strata.graph.capture_passes import compiled_step
+
+        step = compiled_step(model, "cuda" if str(device).startswith("cuda") else "cpu")
     return DecodeCapture(
-        step, engine.kv_caches, block_size=cfg.block_size, backend=engine.runner.backend,
-        scratch_block=engine.scratch_block, max_num_seqs=cfg.max_num_seqs, max_model_len=engine.max_model_len,
-        compile=cfg.compile, cuda_graphs=cfg.cuda_graphs,
+        step, kv_caches, block_size=block_size, backend=backend, scratch_block=scratch_block,
+        max_num_seqs=max_num_seqs, max_model_len=max_model_len, compile=compile, cuda_graphs=cuda_graphs,
     )

@@ -7,10 +7,12 @@ kernels plug in through `register_gpu_kernels()`, which registers the Triton fun
 `strata.kernels.triton` (when importable) as the ops' CUDA kernels.
 
 More ops make the kernels that the compiled decode step calls opaque to torch.compile
-(graph/capture.py): strata::linear (kernels/linear.py dispatch: the numba GEMV on CPU),
-strata::paged_decode (decode attention over the paged cache: the numba kernel on CPU, the Triton
-kernel on CUDA when registered), and on CPU the eager step's two other hand-fused kernels,
-strata::linear_swiglu (GEMV with SwiGLU epilogue) and strata::rope_store (rotary + KV write).
+(graph/capture_passes.py): strata::linear (kernels/linear.py dispatch: the numba GEMV on CPU),
+strata::paged_decode (decode attention over the paged cache by the backend its `backend` string
+names, looked up in kernels/attention/registry.py: op schemas take primitives, not the backend
+object; the Triton kernel on CUDA when registered), and on CPU the eager step's two other
+hand-fused kernels, strata::linear_swiglu (GEMV with SwiGLU epilogue) and strata::rope_store
+(rotary + KV write).
 """
 
 from __future__ import annotations
@@ -24,8 +26,7 @@ from torch import Tensor
 
 from strata.graph.layers import apply_rotary
 from strata.kernels import attention as attn
-from strata.kernels import cpu_attention, cpu_gemv, cpu_norm, cpu_rope
-from strata.kernels.attention import AttentionMetadata
+from strata.kernels import cpu_gemv, cpu_norm, cpu_rope
 
 logger = logging.getLogger(__name__)
 
@@ -132,11 +133,9 @@ def paged_decode(
     q: Tensor, kv_cache: Tensor, block_tables: Tensor, context_lens: Tensor, mask: Tensor | None,
     scale: float, backend: str,
 ) -> Tensor:
-    """strata::paged_decode: decode attention of q [B, heads, d] over the paged cache -> [B, heads * d]."""
-    if backend == "cpu" and cpu_attention.usable(q, kv_cache):
-        return cpu_attention.paged_decode(q, kv_cache, block_tables, context_lens, scale)
-    meta = AttentionMetadata(q.new_empty(0, dtype=torch.long), [], 0, block_tables, mask, context_lens, backend)
-    return attn._decode(q, kv_cache, meta, scale)
+    """strata::paged_decode: decode attention of q [B, heads, d] over the paged cache -> [B, heads * d],
+    by the attention backend registered under the name `backend`."""
+    return attn.get_backend(backend).decode(q, kv_cache, block_tables, context_lens, mask, scale)
 
 
 def linear_swiglu(x: Tensor, gate_up_weight: Tensor) -> Tensor:

@@ -3,21 +3,26 @@
 What is traced
 --------------
 The model's own `CausalLM.forward` (graph/models/llama.py), whole, on the engine's path: attention
-metadata present and tokens flattened to [T, ...]. The model file is not changed for this; tracing
-relies on three things, all in this module:
+metadata present and tokens flattened to [T, ...]. Nothing is patched for this (beyond what
+torch.fx's tracer itself does, see the gate below); tracing relies on:
 
 - Leaves. Projections (Linear, QuantLinear), embeddings and the rotary table lookup stay
   call_module leaves (their forward is kernel dispatch). Attention over the paged cache is one leaf
-  function, `attend_cached`, because its prefill/decode split is Python control flow over the
-  metadata; the KV-cache write in front of it (`attention.write_kv`) is traced, so the passes see it.
+  function, `attention.attend_cached` (torch.fx.wrap in the model's module), because its
+  prefill/decode split is Python control flow over the metadata; the model calls the KV-cache write
+  (`attention.write_kv`) in front of it itself, and that is traced, so the passes see it.
 - Reference paths. The hand-placed CPU kernels are chosen at run time from shapes and dtypes
-  (cpu_gemv.few_fp32_rows, llama.fused_decode_usable, the quantised SwiGLU epilogue). For the
-  duration of the trace those predicates answer False, so the graph holds the torch reference ops
-  that the patterns describe. The fused ops choose their kernel at run time themselves. (The patch
-  is process-wide while it lasts: do not trace while another thread runs a forward.)
+  (cpu_gemv.few_fp32_rows, the cpu backend's fused decode, the quantised SwiGLU epilogue). The trace
+  runs under kernels/dispatch.reference_kernels(): in this thread's context only, every such
+  predicate answers False before it looks at its (Proxy) arguments, so the graph holds the torch
+  reference ops that the patterns describe. The fused ops choose their kernel at run time themselves.
 - Static facts. `x.dtype == torch.float32` (RMSNorm's branch) is answered with the model's dtype, so
   the graph is specialised to it, and `*qkv.shape[:-1]` unpacks to one leading dimension (the
   engine's [T] tokens). Anything else that needs a value raises a TraceError naming it.
+- The trace gate. torch.fx's tracer patches torch.nn.Module.__call__ process-wide while it traces
+  (the model's trace, and each pattern's), so tracing and rewriting hold graph/trace_gate.TRACE_GATE
+  exclusively; forwards (CausalLM.forward, FusedStep.__call__) hold it shared, so a forward in
+  another thread waits for the trace, or the trace for it, instead of being recorded into it.
 
 Passes (torch.fx.subgraph_rewriter; literals, slices included, are re-checked by a filter)
 --------------------------------------------------------------------------------------------
@@ -36,13 +41,13 @@ For a model of L layers the counts are fixed by its structure (`expected_counts`
 add - and the final norm), and L of each of the others. Qwen3's q/k norms have no add and stay
 plain RMSNorm.
 
-The fused ops themselves (strata::add_rms_norm, silu_mul, rotary_qk, kv_write, and the kernel
-wrappers that keep the compiled step opaque) live in graph/fused_ops.py.
+The patterns and their replacements are in graph/fusion_patterns.py; the fused ops themselves
+(strata::add_rms_norm, silu_mul, rotary_qk, kv_write, and the kernel wrappers that keep the
+compiled step opaque) in graph/fused_ops.py.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import operator
@@ -51,74 +56,39 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.fx.subgraph_rewriter import replace_pattern_with_filters
 
-from strata.graph.fused_ops import (
-    register_gpu_kernels,
-    rotary_ref,
+from strata.graph.fused_ops import register_gpu_kernels
+from strata.graph.fusion_patterns import (
+    ANY_EPS,
+    joint_rotary_pattern,
+    joint_rotary_replacement,
+    kv_pattern,
+    kv_replacement,
+    norm_pattern_fp32,
+    norm_pattern_lowp,
+    norm_replacement,
+    rotary_pattern,
+    rotary_replacement,
+    rotate_one,
+    silu_pattern,
+    silu_replacement,
 )
-from strata.graph.layers import GatedMLP, RMSNorm, apply_rotary
+from strata.graph.layers import GatedMLP, RMSNorm
 from strata.graph.models.llama import Attention, CausalLM, DecoderLayer
-from strata.kernels import attention as attn
-from strata.kernels import cpu_gemv
+from strata.graph.trace_gate import TRACE_GATE
 from strata.kernels.attention import AttentionMetadata
+from strata.kernels.dispatch import reference_kernels
 
 logger = logging.getLogger(__name__)
 
 PATTERNS = ("add_rms_norm", "silu_mul", "rotary_qk", "kv_write")
+__all__ = ["PATTERNS", "FusedStep", "StepTracer", "dce", "expected_counts", "fuse_graph", "fuse_model",
+           "rotate_one", "trace_model"]
 
 
 # --- tracing -------------------------------------------------------------------------------------
-
-
-@torch.fx.wrap
-def attend_cached(q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
-    """attention.paged_attention after its KV write: one leaf in the traced graph.
-
-    Under torch.compile the all-decode case goes through the opaque strata::paged_decode op (dynamo
-    cannot trace the numba kernel); eagerly it calls the same dispatch directly.
-    """
-    p = meta.num_prefill_tokens
-    if p == 0:
-        if torch.compiler.is_compiling():
-            return torch.ops.strata.paged_decode.default(
-                q, kv_cache, meta.decode_block_tables, meta.decode_context_lens, meta.decode_mask, scale, meta.backend
-            )
-        return attn._decode(q, kv_cache, meta, scale)
-    parts = [attn._prefill(q, k, v, kv_cache, s, scale, meta.backend) for s in meta.prefills]
-    if p < q.shape[0]:
-        parts.append(attn._decode(q[p:], kv_cache, meta, scale))
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-
-
-def _traced_paged_attention(q, k, v, kv_cache, meta, scale):
-    """attention.paged_attention split into its traced KV write and the attention leaf."""
-    attn.write_kv(kv_cache, k, v, meta.slot_mapping)
-    return attend_cached(q, k, v, kv_cache, meta, scale)
-
-
-@contextlib.contextmanager
-def _reference_paths() -> Iterator[None]:
-    """Make the model's run-time kernel choices take their torch paths while tracing."""
-    from strata.graph.models import llama
-    from strata.memory import quant
-
-    patches = [
-        (cpu_gemv, "few_fp32_rows", lambda *a, **k: False),  # cpu_norm / cpu_rope / GEMV SwiGLU epilogue
-        (llama, "fused_decode_usable", lambda *a, **k: False),
-        (llama, "paged_attention", _traced_paged_attention),
-        (quant, "quant_swiglu", lambda *a, **k: None),
-    ]
-    saved = [(mod, name, getattr(mod, name)) for mod, name, _ in patches]
-    try:
-        for mod, name, value in patches:
-            setattr(mod, name, value)
-        yield
-    finally:
-        for mod, name, value in saved:
-            setattr(mod, name, value)
 
 
 _TRACED_THROUGH = (CausalLM, DecoderLayer, Attention, GatedMLP, RMSNorm, nn.ModuleList)
@@ -173,10 +143,12 @@ class StepTracer(fx.Tracer):
 
 
 def trace_model(model: CausalLM) -> fx.GraphModule:
-    """The engine step of `model` as an FX graph (reference torch ops; see the module docstring)."""
+    """The engine step of `model` as an FX graph (reference torch ops; see the module docstring).
+
+    Waits for forwards running in other threads, and they for it (the trace gate)."""
     dtype = model.norm.weight.dtype
     tracer = StepTracer(dtype)
-    with _reference_paths():
+    with TRACE_GATE.exclusive(), reference_kernels():
         graph = tracer.trace(model)
     gm = fx.GraphModule(tracer.root, graph, "TracedStep")
     dce(gm.graph)
@@ -220,82 +192,6 @@ def _cse_getitems(graph: fx.Graph) -> None:
 
 
 # --- the passes --------------------------------------------------------------------------------------
-
-_ANY_EPS = 0.4242421  # literal wildcard in the norm patterns: the matched eps is carried over
-
-
-def _norm_pattern_fp32(x, residual, weight):
-    h = x + residual
-    return F.rms_norm(h, (h.shape[-1],), weight, _ANY_EPS), h
-
-
-def _norm_pattern_lowp(x, residual, weight):
-    h = x + residual
-    hf = h.float()
-    hf = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + _ANY_EPS)
-    return weight * hf.to(h.dtype), h
-
-
-def _norm_replacement(eps: float) -> Callable:
-    def replacement(x, residual, weight):
-        out = torch.ops.strata.add_rms_norm.default(x, residual, weight, eps)
-        return out[0], out[1]
-
-    return replacement
-
-
-def _silu_pattern(inter: int) -> Callable:
-    def pattern(gate_up):  # graph.layers.GatedMLP, op for op
-        return F.silu(gate_up[..., :inter]) * gate_up[..., inter:]
-
-    return pattern
-
-
-def _silu_replacement(gate_up):
-    return torch.ops.strata.silu_mul.default(gate_up)
-
-
-def _joint_rotary_pattern(heads: int) -> Callable:
-    def pattern(qk, cos, sin):  # Attention.forward without q/k norm: rotate q|k in one view, split
-        r = apply_rotary(qk, (cos, sin))
-        return r[..., :heads, :], r[..., heads:, :]
-
-    return pattern
-
-
-def _joint_rotary_replacement(heads: int) -> Callable:
-    def replacement(qk, cos, sin):
-        out = torch.ops.strata.rotary_qk.default(qk[..., :heads, :], qk[..., heads:, :], cos, sin)
-        return out[0], out[1]
-
-    return replacement
-
-
-def _rotary_pattern(x, cos, sin):
-    return apply_rotary(x, (cos, sin))
-
-
-@torch.fx.wrap
-def rotate_one(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """One tensor's rotation: a leaf marking it for _pair_rotaries (left unpaired, it is correct)."""
-    return rotary_ref(x, cos, sin)
-
-
-def _rotary_replacement(x, cos, sin):
-    return rotate_one(x, cos, sin)
-
-
-def _kv_pattern(kv_cache, k, v, slots):  # attention.write_kv, op for op
-    kv_heads, head_dim = k.shape[-2:]
-    a = kv_cache[0].view(-1, kv_heads, head_dim).index_copy_(0, slots, k)
-    b = kv_cache[1].view(-1, kv_heads, head_dim).index_copy_(0, slots, v)
-    return a, b
-
-
-def _kv_replacement(kv_cache, k, v, slots):
-    done = torch.ops.strata.kv_write.default(kv_cache, k, v, slots)
-    return done, done
-
 
 def _same_literal(p, g, nodes_map: dict, wildcards: tuple) -> bool:
     """Pattern argument `p` equals graph argument `g`: literals by value (inside slices and
@@ -351,7 +247,7 @@ def _matched_eps(match) -> float:
         if pn.op != "call_function":
             continue
         for pa, ga in zip((*pn.args, *pn.kwargs.values()), (*gn.args, *gn.kwargs.values())):
-            if isinstance(pa, float) and pa == _ANY_EPS:
+            if isinstance(pa, float) and pa == ANY_EPS:
                 return float(ga)
     raise AssertionError("norm pattern matched without its eps")
 
@@ -388,11 +284,11 @@ def _rewrite(gm: fx.GraphModule, pattern, replacement=None, wildcards: tuple = (
 
 def _fuse_add_rms_norm(gm: fx.GraphModule) -> int:
     def callback(match, original_graph, pattern_graph):
-        return fx.symbolic_trace(_norm_replacement(_matched_eps(match))).graph
+        return fx.symbolic_trace(norm_replacement(_matched_eps(match))).graph
 
     return sum(
-        _rewrite(gm, pattern, wildcards=(_ANY_EPS,), callback=callback)
-        for pattern in (_norm_pattern_fp32, _norm_pattern_lowp)
+        _rewrite(gm, pattern, wildcards=(ANY_EPS,), callback=callback)
+        for pattern in (norm_pattern_fp32, norm_pattern_lowp)
     )
 
 
@@ -438,23 +334,28 @@ def _pair_rotaries(gm: fx.GraphModule) -> int:
 def fuse_graph(gm: fx.GraphModule, model: CausalLM, patterns: tuple[str, ...] = PATTERNS) -> dict[str, int]:
     """Run the passes named in `patterns` over a traced step of `model` (in place); returns how
     many of each pattern were fused. (The model supplies the split patterns' literals: its layers'
-    query-head counts and MLP widths.)"""
+    query-head counts and MLP widths.) Holds the trace gate: each pattern is FX-traced."""
     unknown = set(patterns) - set(PATTERNS)
     if unknown:
         raise ValueError(f"unknown fusion patterns {sorted(unknown)}; known: {', '.join(PATTERNS)}")
+    with TRACE_GATE.exclusive():
+        return _fuse_graph(gm, model, patterns)
+
+
+def _fuse_graph(gm: fx.GraphModule, model: CausalLM, patterns: tuple[str, ...]) -> dict[str, int]:
     heads = sorted({m.heads for m in model.modules() if isinstance(m, Attention)})
     intermediates = sorted({m.intermediate for m in model.modules() if isinstance(m, GatedMLP)})
     counts = {}
     if "add_rms_norm" in patterns:
         counts["add_rms_norm"] = _fuse_add_rms_norm(gm)
     if "silu_mul" in patterns:
-        counts["silu_mul"] = sum(_rewrite(gm, _silu_pattern(i), _silu_replacement) for i in intermediates)
+        counts["silu_mul"] = sum(_rewrite(gm, silu_pattern(i), silu_replacement) for i in intermediates)
     if "rotary_qk" in patterns:
-        joint = sum(_rewrite(gm, _joint_rotary_pattern(h), _joint_rotary_replacement(h)) for h in heads)
-        _rewrite(gm, _rotary_pattern, _rotary_replacement)
+        joint = sum(_rewrite(gm, joint_rotary_pattern(h), joint_rotary_replacement(h)) for h in heads)
+        _rewrite(gm, rotary_pattern, rotary_replacement)
         counts["rotary_qk"] = joint + _pair_rotaries(gm)  # unpaired single rotations stay rotary_ref calls
     if "kv_write" in patterns:
-        counts["kv_write"] = _rewrite(gm, _kv_pattern, _kv_replacement)
+        counts["kv_write"] = _rewrite(gm, kv_pattern, kv_replacement)
     dce(gm.graph)
     gm.graph.lint()
     gm.recompile()
@@ -474,7 +375,8 @@ class FusedStep:
     counts: dict[str, int] = field(default_factory=dict)
 
     def __call__(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata, kv_caches: list[Tensor]) -> Tensor:
-        return self.graph_module(input_ids, positions, meta, kv_caches)
+        with TRACE_GATE.shared():  # its leaf modules' calls must not meet a trace's patched __call__
+            return self.graph_module(input_ids, positions, meta, kv_caches)
 
     def summary(self) -> str:
         return ", ".join(f"{k} {self.counts.get(k, 0)}" for k in PATTERNS)
@@ -484,8 +386,9 @@ def fuse_model(model: CausalLM, patterns: tuple[str, ...] = PATTERNS) -> FusedSt
     """Trace `model`'s engine step and apply the fusion passes (all by default). The model itself
     is not changed; the returned step shares its modules and parameters."""
     _register_gpu_kernels_once()
-    gm = trace_model(model)
-    counts = fuse_graph(gm, model, patterns)
+    with TRACE_GATE.exclusive():
+        gm = trace_model(model)
+        counts = fuse_graph(gm, model, patterns)
     step = FusedStep(gm, counts)
     logger.debug("fusion: %s (rewritten patterns, %d layers)", step.summary(), len(model.layers))
     return step

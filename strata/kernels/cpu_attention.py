@@ -4,7 +4,8 @@ The torch paths gather every sequence's blocks into a padded copy and then run S
 decode attention moves the KV cache three times; profiled on a 16-request batch, the gather and
 SDPA were 65% of step time. This kernel walks the block table instead: per (sequence, KV head),
 scores for the query heads of that group, a softmax, then the weighted sum of V. Its reference
-twin is `attention._decode` with backend "torch"; tests compare the two.
+twin is the "torch" attention backend's decode (kernels/attention/torch_backend.py); tests compare
+the two. It is the "cpu" backend's decode (kernels/attention/cpu_backend.py).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import numpy as np
 import torch
 
 from strata.kernels import cpu_gemv
+from strata.kernels.dispatch import KERNEL_MODE, kernel
 
 try:
     import numba
@@ -73,7 +75,8 @@ if numba is not None:
 
 def usable(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     return (
-        numba is not None
+        KERNEL_MODE.get().fast_paths
+        and numba is not None
         and q.device.type == "cpu"
         and q.dtype == torch.float32
         and kv_cache.dtype == torch.float32
@@ -81,6 +84,7 @@ def usable(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     )
 
 
+@kernel("paged_decode")
 def paged_decode(
     q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
     scale: float,

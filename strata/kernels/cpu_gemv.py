@@ -14,6 +14,8 @@ import threading
 import numpy as np
 import torch
 
+from strata.kernels.dispatch import KERNEL_MODE, kernel
+
 logger = logging.getLogger(__name__)
 
 try:  # optional: the fallback is torch
@@ -85,6 +87,7 @@ def sync_threads() -> int:
     return threads
 
 
+@kernel("gemv")
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [rows, in] @ weight[out, in].T (+ bias), fp32 CPU tensors; rows <= MAX_ROWS."""
     x = x.contiguous()
@@ -96,6 +99,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     return out
 
 
+@kernel("gemv_swiglu")
 def gemv_swiglu(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
     """silu(x @ gate.T) * (x @ up.T) for gate_up = [gate; up] (no bias), one pass over the weight."""
     x = x.contiguous()
@@ -106,11 +110,14 @@ def gemv_swiglu(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
 
 def few_fp32_rows(x: torch.Tensor, other: torch.Tensor, max_rows: int) -> bool:
     """The shared precondition of the few-row CPU kernels: numba present, x [rows <= max_rows, n],
-    x and `other` (weight or cache) fp32 on CPU, no autograd (the kernels have no backward)."""
+    x and `other` (weight or cache) fp32 on CPU, no autograd (the kernels have no backward); and
+    the kernel mode's fast paths on (kernels/dispatch.py; asked first: the FX tracer turns them off,
+    and then x and `other` are fx Proxies, which must not be inspected)."""
     # ordered cheapest first, and is_cpu rather than .device.type (which builds a device object):
     # this runs ~200 times per decode step
     return (
-        numba is not None
+        KERNEL_MODE.get().fast_paths
+        and numba is not None
         and x.dim() == 2
         and x.shape[0] <= max_rows
         and x.dtype is torch.float32

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from strata.kernels import cpu_gemv
+from strata.kernels.dispatch import kernel
 
 try:
     import numba
@@ -46,9 +47,11 @@ if numba is not None:
 
 
 def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Few fp32 CPU rows (cpu_gemv.few_fp32_rows: asks the kernel mode first)."""
     return cpu_gemv.few_fp32_rows(x, weight, MAX_ROWS)
 
 
+@kernel("add_rms_norm")
 def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor | None]:

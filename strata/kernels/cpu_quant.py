@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from strata.kernels import cpu_gemv
+from strata.kernels.dispatch import KERNEL_MODE, kernel
 
 try:
     import numba
@@ -227,9 +228,11 @@ if numba is not None:
 
 
 def usable(x: torch.Tensor, qweight: torch.Tensor | np.ndarray) -> bool:
-    """Whether the numba kernels apply: numba present, fp32 CPU input, no autograd."""
+    """Whether the numba kernels apply: the kernel mode's fast paths on (kernels/dispatch.py),
+    numba present, fp32 CPU input, no autograd."""
     return (
-        numba is not None
+        KERNEL_MODE.get().fast_paths
+        and numba is not None
         and x.dtype == torch.float32
         and x.is_cpu
         and (isinstance(qweight, np.ndarray) or qweight.is_cpu)
@@ -274,6 +277,7 @@ def dequantize(
     return out
 
 
+@kernel("quant_matmul")
 def matmul(
     method: str, x: torch.Tensor, qweight: torch.Tensor | np.ndarray, scale: torch.Tensor | np.ndarray,
     group_size: int, bias: torch.Tensor | None = None,
@@ -309,6 +313,7 @@ def matmul(
     return out
 
 
+@kernel("quant_gemv")
 def gemv(
     method: str, x: torch.Tensor, qweight: torch.Tensor | np.ndarray, scale: torch.Tensor | np.ndarray,
     group_size: int, bias: torch.Tensor | None = None,
@@ -331,6 +336,7 @@ def gemv(
     return result
 
 
+@kernel("quant_gemv_swiglu")
 def gemv_swiglu(
     method: str, x: torch.Tensor, qweight: torch.Tensor | np.ndarray, scale: torch.Tensor | np.ndarray,
     group_size: int,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from strata.kernels import cpu_gemv
+from strata.kernels.dispatch import kernel
 
 try:
     import numba
@@ -56,9 +57,11 @@ if numba is not None:
 
 
 def usable(qkv: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Few fp32 CPU rows and a contiguous cache (cpu_gemv.few_fp32_rows asks the kernel mode first)."""
     return cpu_gemv.few_fp32_rows(qkv, kv_cache, MAX_ROWS) and kv_cache.is_contiguous()
 
 
+@kernel("rope_and_store")
 def rope_and_store(
     qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], slots: torch.Tensor,
     kv_cache: torch.Tensor, heads: int, kv_heads: int,

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from strata.kernels import cpu_gemv, cpu_quant
+from strata.kernels.dispatch import KERNEL_MODE
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -56,8 +57,13 @@ def quant_linear(x: torch.Tensor, q: QuantWeight, bias: torch.Tensor | None = No
 
 
 def quant_swiglu(x: torch.Tensor, q: QuantWeight) -> torch.Tensor | None:
-    """silu(gate) * up for a quantised [gate; up] weight (no bias), or None where no kernel applies."""
-    if x.dim() == 2 and x.shape[0] <= cpu_quant.MAX_ROWS and cpu_quant.usable(x, q.qweight):
+    """silu(gate) * up for a quantised [gate; up] weight (no bias), or None where no kernel applies
+    (also whenever the kernel mode's fast paths are off, asked before x is looked at: x is an fx
+    Proxy while graph/fusion.py traces)."""
+    if (
+        KERNEL_MODE.get().fast_paths and x.dim() == 2 and x.shape[0] <= cpu_quant.MAX_ROWS
+        and cpu_quant.usable(x, q.qweight)
+    ):
         w, s = q.kernel_weights()
         return cpu_quant.gemv_swiglu(q.method, x, w, s, q.group_size)
     return None

@@ -7,8 +7,8 @@ under torch.profiler, each step inside a `strata::decode_step` range, and reads 
   only group work (the step range itself, torch.compile's "Torch-Compiled Region" /
   "CompiledFunction" ranges, "## ... ##" markers). That is: aten ops, the strata:: custom ops of
   graph/fusion.py, and the numba kernels, which appear as `numba::<kernel>` ranges (the engine calls
-  them as plain Python functions; `named_kernels()` wraps their entry points in record_function
-  while profiling).
+  them as plain Python functions; under `named_kernels()` each entry point, decorated with
+  kernels/dispatch.kernel, runs inside a record_function range of that name).
 - *Self time* of an event: its duration minus its children's, so self times never double count.
 - On CPU, *step time* is the wall time of the step ranges (engine.step(): schedule, forward,
   sample, outputs), summed over the profiled steps, and
@@ -24,19 +24,23 @@ unprofiled one; the report gives both step times where the caller knows the unpr
 
 from __future__ import annotations
 
-import contextlib
-import functools
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 
 import torch
 from torch.autograd.profiler import record_function
 
+from strata.kernels.dispatch import named_kernels
+
+__all__ = ["HotspotRow", "ProfileReport", "analyze", "named_kernels", "profile_decode"]
+
 STEP = "strata::decode_step"
 _GROUPING = ("Torch-Compiled Region", "CompiledFunction", "## ", "ProfilerStep", STEP)
 
 
 def _kernel_entry_points() -> list[tuple[object, str, str]]:
+    """(module, function, range name) of every numba kernel entry point: each is decorated with
+    kernels/dispatch.kernel, which names its calls while `named_kernels()` is on."""
     from strata.kernels import cpu_attention, cpu_gemv, cpu_norm, cpu_quant, cpu_rope
 
     return [
@@ -49,33 +53,6 @@ def _kernel_entry_points() -> list[tuple[object, str, str]]:
         (cpu_quant, "gemv_swiglu", "numba::quant_gemv_swiglu"),
         (cpu_quant, "matmul", "numba::quant_matmul"),
     ]
-
-
-def _named(fn, label: str):
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        with record_function(label):
-            return fn(*args, **kwargs)
-
-    wrapper.__wrapped_kernel__ = fn
-    return wrapper
-
-
-@contextlib.contextmanager
-def named_kernels() -> Iterator[None]:
-    """For its duration, each numba kernel entry point runs inside a record_function range named
-    `numba::<kernel>`, so profiles show it as an op (callers look the functions up on their module
-    at call time, so patching the module attribute reaches every call site)."""
-    saved = []
-    try:
-        for mod, attr, label in _kernel_entry_points():
-            fn = getattr(mod, attr)
-            saved.append((mod, attr, fn))
-            setattr(mod, attr, _named(fn, label))
-        yield
-    finally:
-        for mod, attr, fn in saved:
-            setattr(mod, attr, fn)
 
 
 @dataclass

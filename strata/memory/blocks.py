@@ -1,4 +1,4 @@
-"""The block manager: sole owner of KV-cache blocks.
+"""The block manager: sole owner of KV-cache blocks (one job, so one file, ~400 lines).
 
 Every block is in exactly one of three states:
 
@@ -18,6 +18,14 @@ a matched run of blocks holds exactly the tokens looked up.
 Full blocks may be shared (after a fork, or a prefix-cache hit); partially filled blocks never
 are, and only full blocks of computed KV are registered, so a sequence only ever writes into
 blocks it owns alone.
+
+Two more kinds of block belong to the manager and to nobody else:
+
+- the scratch block (when asked for): one device block past the shared range, never allocated,
+  where the padded rows of a captured decode step (graph/capture.py) write their throw-away KV;
+- host blocks (when a HostBlockPool is given): where a preempted sequence's KV waits, swapped
+  out. `swap_out` / `swap_in` move a sequence between the two pools; the scheduler only decides
+  when, and the runner's KVSwapper copies the bytes.
 """
 
 from __future__ import annotations
@@ -30,6 +38,24 @@ from typing import Protocol
 
 class HasBlocks(Protocol):
     block_table: list[int]
+
+
+class HasHostBlocks(HasBlocks, Protocol):
+    host_blocks: list[int]
+    num_computed_tokens: int
+
+
+class HostPool(Protocol):
+    """What the manager needs of the host pool (memory.swap.HostBlockPool provides it)."""
+
+    num_blocks: int
+
+    @property
+    def num_free(self) -> int: ...
+
+    def allocate(self, n: int) -> list[int]: ...
+
+    def free(self, blocks: list[int]) -> None: ...
 
 
 class HasTokens(HasBlocks, Protocol):
@@ -94,8 +120,14 @@ class KVUsage:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
-        self.num_blocks = num_blocks
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, *,
+        scratch_block: bool = False, host_pool: HostPool | None = None,
+    ) -> None:
+        self.num_blocks = num_blocks  # blocks sequences can own (the scratch block is not one)
+        self.scratch_block = num_blocks if scratch_block else None
+        self.num_device_blocks = num_blocks + (1 if scratch_block else 0)  # what the KV cache holds
+        self.host = host_pool
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self._free: deque[int] = deque(range(num_blocks))
@@ -217,6 +249,33 @@ class BlockManager:
             copies.append((parent.block_table[full], dst))
         return copies
 
+    # --- swap space ----------------------------------------------------------------------
+    def can_swap_out(self, seq: HasHostBlocks) -> bool:
+        """Whether the host pool has room for `seq`'s computed KV (False without a pool)."""
+        n = self.blocks_for(seq.num_computed_tokens)
+        return bool(n) and self.host is not None and self.host.num_free >= n
+
+    def swap_out(self, seq: HasHostBlocks) -> list[tuple[int, int]]:
+        """Park `seq`'s computed blocks in host blocks and free its device blocks. Returns the
+        (device, host) copies, which the runner makes before the freed blocks are written again."""
+        n = self.blocks_for(seq.num_computed_tokens)
+        seq.host_blocks = self.host.allocate(n)
+        pairs = list(zip(seq.block_table[:n], seq.host_blocks))
+        self.free(seq)
+        return pairs
+
+    def swap_in(self, seq: HasHostBlocks) -> list[tuple[int, int]]:
+        """Device blocks for a swapped sequence's KV; its host blocks are freed at once (a later
+        swap-out that reuses them waits for this copy: KVSwapper). Returns the (host, device) copies."""
+        self.allocate(seq, seq.num_computed_tokens)
+        pairs = list(zip(seq.host_blocks, seq.block_table))
+        self.free_host(seq)
+        return pairs
+
+    def free_host(self, seq: HasHostBlocks) -> None:
+        self.host.free(seq.host_blocks)
+        seq.host_blocks = []
+
     def ref_count(self, block: int) -> int:
         return self._refs[block]
 
@@ -313,8 +372,15 @@ class BlockManager:
             shared_saved_bytes=(logical - owned) * block_bytes,
         )
 
-    def check(self, tables: list[list[int]]) -> None:
-        """Invariant check: ref counts equal table membership; each block free, owned or cached."""
+    def check(self, tables: list[list[int]], host_tables: list[list[int]] = ()) -> None:
+        """Invariant check: ref counts equal table membership; each block free, owned or cached;
+        host blocks parked by sequences (`host_tables`) plus the free ones make the whole pool."""
+        if self.host is not None:
+            parked = sum(len(t) for t in host_tables)
+            if parked + self.host.num_free != self.host.num_blocks:
+                raise AssertionError(
+                    f"host pool: {parked} parked + {self.host.num_free} free != {self.host.num_blocks}"
+                )
         counts = [0] * self.num_blocks
         for t in tables:
             for b in t:

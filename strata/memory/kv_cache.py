@@ -7,10 +7,15 @@ import torch
 from strata.model_config import ModelConfig
 
 
+def kv_cache_shape(cfg: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
+    """One layer's paged KV tensor: [K|V, block, slot in block, kv head, head dim]."""
+    return (2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+
+
 def allocate_kv_cache(
     cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: str
 ) -> list[torch.Tensor]:
-    shape = (2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    shape = kv_cache_shape(cfg, num_blocks, block_size)
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
 
 

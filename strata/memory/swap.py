@@ -17,18 +17,20 @@ from dataclasses import dataclass
 
 import torch
 
+from strata.memory.kv_cache import kv_cache_shape
 from strata.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
 
 class HostBlockPool:
-    """Host-side blocks in the same layout as the device cache; the pool owns its free list."""
+    """Host-side blocks in the same layout as the device cache, with their free list (the
+    BlockManager is the one that allocates and frees them)."""
 
     def __init__(
         self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, pin: bool
     ) -> None:
-        shape = (2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = kv_cache_shape(cfg, num_blocks, block_size)
         self.caches = [torch.zeros(shape, dtype=dtype, pin_memory=pin) for _ in range(cfg.num_layers)]
         self.num_blocks = num_blocks
         self._free: deque[int] = deque(range(num_blocks))

@@ -12,7 +12,8 @@ import time
 
 import uvicorn
 
-from strata.config import EngineConfig, parse_bytes
+from strata.config import EngineConfig
+from strata.engine.args import EngineArgs
 from strata.errors import StrataError
 from strata.server import procs
 from strata.server.app import ServerOptions, ServerState, build_app
@@ -30,8 +31,6 @@ SERVE_EXAMPLES = """examples:
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server")
-    g.add_argument("--random-model", default=None, metavar="SHAPE",
-                   help="serve a random-weight checkpoint of a benchmark shape (smol-135m, qwen-0.5b) instead of --model")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--served-model-name", default=None, help="model id clients use (default: the model dir's name)")
@@ -55,39 +54,30 @@ class _Server(uvicorn.Server):
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from strata.cli import engine_kwargs
     from strata.hardware.placement import server_layout
 
-    if args.random_model is not None:
-        from strata.demo.random_models import random_model_path
-
-        if args.model is not None:
-            raise StrataError("give --model PATH or --random-model SHAPE, not both")
-        args.model = str(random_model_path(args.random_model))
-    kwargs = engine_kwargs(args)
-    kwargs["model"] = args.model
-    EngineConfig(**kwargs)  # validate flags here, before starting any process
-    if args.tokenizer_workers is not None and args.tokenizer_workers < 0:
-        raise StrataError(f"--tokenizer-workers must be >= 0, got {args.tokenizer_workers}")
-    if args.max_queue < 1:
-        raise StrataError(f"--max-queue must be >= 1, got {args.max_queue}")
-    layout = server_layout(args.tokenizer_workers, args.threads)
+    engine_args = EngineArgs.from_cli_args(args)
+    model = engine_args.model_path()
+    kwargs = {"model": model, **engine_args.config_kwargs()}
+    EngineConfig(**kwargs)  # validate every flag here, before starting any process
+    opts = ServerOptions(
+        served_model_name=args.served_model_name or "", api_key=args.api_key or os.environ.get("STRATA_API_KEY") or None,
+        max_request_bytes=args.max_request_bytes, max_queue=args.max_queue, drain_timeout=args.drain_timeout,
+        tokenizer_workers=args.tokenizer_workers, startup_timeout=args.startup_timeout,
+    )
+    layout = server_layout(args.tokenizer_workers, args.num_threads)
     kwargs["num_threads"] = layout.compute_threads
-    if args.model is None:
+    if model is None:
         from strata.demo.model import demo_model_path
 
         model_path = str(demo_model_path())
     else:
-        model_path = str(args.model)
+        model_path = str(model)
     if not os.path.isfile(os.path.join(model_path, "tokenizer.json")):
         raise StrataError(f"{model_path} has no tokenizer.json; the server needs one to read and write text "
                           "(copy the model's tokenizer files into that directory)")
-    name = args.served_model_name or args.random_model or os.path.basename(os.path.normpath(model_path))
-    opts = ServerOptions(
-        served_model_name=name, api_key=args.api_key or os.environ.get("STRATA_API_KEY") or None,
-        max_request_bytes=parse_bytes(args.max_request_bytes, "--max-request-bytes"),
-        max_queue=args.max_queue, drain_timeout=args.drain_timeout,
-    )
+    opts.served_model_name = (opts.served_model_name or args.random_model
+                              or os.path.basename(os.path.normpath(model_path)))
     logger.info("layout: %s", layout.describe())
     return asyncio.run(_serve(args, kwargs, model_path, opts, layout))
 
@@ -117,8 +107,8 @@ async def _serve(args, kwargs: dict, model_path: str, opts: ServerOptions, layou
             state.tokenizers = TokenizerPool(model_path, layout.tokenizer_workers, ipc, layout.tokenizer_cpus)
         else:
             state.tokenizers = InLoopTokenizer(state.tokenizer)
-        await _until(stop, asyncio.gather(state.engine.start(args.startup_timeout),
-                                          state.tokenizers.start(args.startup_timeout)))
+        await _until(stop, asyncio.gather(state.engine.start(opts.startup_timeout),
+                                          state.tokenizers.start(opts.startup_timeout)))
         if not stop.is_set():
             state.info = state.engine.info
             state.ready = True

@@ -21,7 +21,14 @@ def _load(name: str):
     return mod
 
 
-peers = _load("peers")
+def _peers(name: str):
+    """benchmarks/peers/<name>.py as benchmarks.peers.<name> (the package's modules import each other)."""
+    if str(ROOT) not in sys.path:
+        sys.path.append(str(ROOT))
+    return importlib.import_module(f"benchmarks.peers.{name}")
+
+
+figures, tables, report = _peers("figures"), _peers("tables"), _peers("report")
 convert = _load("convert_gguf")
 
 # trimmed from a real `llama-bench -o json` run (two tests of one model), with a log line before it
@@ -38,33 +45,33 @@ BENCH_OUT = "some log line\n" + json.dumps([
 
 
 def test_parse_llama_bench_and_pick() -> None:
-    rows = peers.parse_llama_bench(BENCH_OUT)
+    rows = figures.parse_llama_bench(BENCH_OUT)
     assert len(rows) == 2
     assert rows[0]["model"] == "smol-135m-f32.gguf" and rows[0]["avg_ts"] == 1234.5
     assert rows[0]["build_commit"] == "0c1e570" and rows[0]["samples_ts"] == [1224.0, 1245.0]
-    pp = peers.pick_bench(rows, "smol-135m-f32.gguf", 128, 0, 0)
-    tg = peers.pick_bench(rows, "smol-135m-f32.gguf", 0, 128, 128)
+    pp = figures.pick_bench(rows, "smol-135m-f32.gguf", 128, 0, 0)
+    tg = figures.pick_bench(rows, "smol-135m-f32.gguf", 0, 128, 128)
     assert pp["n_prompt"] == 128 and tg["avg_ts"] == 61.25
-    assert peers.pick_bench(rows, "smol-135m-f32.gguf", 0, 128, 0) is None  # depth matters
-    assert peers.pick_bench(rows, "other.gguf", 128, 0, 0) is None
+    assert figures.pick_bench(rows, "smol-135m-f32.gguf", 0, 128, 0) is None  # depth matters
+    assert figures.pick_bench(rows, "other.gguf", 128, 0, 0) is None
     with pytest.raises(ValueError):
-        peers.parse_llama_bench("no json here")
+        figures.parse_llama_bench("no json here")
 
 
 def test_ratio_rates_and_prompt_counts() -> None:
-    assert peers.ratio(3.0, 2.0) == 1.5
-    assert peers.ratio(None, 2.0) is None and peers.ratio(1.0, 0.0) is None
-    assert peers.ratio(math.nan, 1.0) is None
-    rates = peers.derive_rates(2.0)
+    assert figures.ratio(3.0, 2.0) == 1.5
+    assert figures.ratio(None, 2.0) is None and figures.ratio(1.0, 0.0) is None
+    assert figures.ratio(math.nan, 1.0) is None
+    rates = figures.derive_rates(2.0)
     assert list(rates) == ["low", "near", "over"]
     assert rates == {"low": 0.6, "near": 1.8, "over": 3.0}
     assert rates["low"] < rates["near"] < 2.0 < rates["over"]
     for bad in (0.0, -1.0, math.inf, math.nan):
         with pytest.raises(ValueError):
-            peers.derive_rates(bad)
-    assert peers.prompts_for_rate(0.2, 80, 12, 64) == 16
-    assert peers.prompts_for_rate(0.01, 80, 12, 64) == 12  # at least lo
-    assert peers.prompts_for_rate(5.0, 80, 12, 64) == 64  # at most hi
+            figures.derive_rates(bad)
+    assert figures.prompts_for_rate(0.2, 80, 12, 64) == 16
+    assert figures.prompts_for_rate(0.01, 80, 12, 64) == 12  # at least lo
+    assert figures.prompts_for_rate(5.0, 80, 12, 64) == 64  # at most hi
 
 
 def test_latency_table_ratios() -> None:
@@ -75,7 +82,7 @@ def test_latency_table_ratios() -> None:
         "strata_int8": {"prefill_tps": 900.0, "decode_tps": 90.0},
         "llama_q8_0": {"prefill_tps": 1800.0, "decode_tps": 100.0},
     }
-    table = peers.latency_table(sr).splitlines()
+    table = tables.latency_table(sr).splitlines()
     assert table[0].startswith("| engine | weights | prefill tok/s")
     llama = next(r for r in table if r.startswith("| llama.cpp | f32"))
     assert "| 0.50x | 0.80x |" in llama  # Strata ÷ llama.cpp: prefill 1000/2000, decode 40/50
@@ -97,12 +104,12 @@ def test_throughput_and_serving_tables() -> None:
         "llama_http": {"requests": 64, "elapsed_s": 45.0, "rps": 1.42, "output_tps": 200.0, "total_tps": 540.0,
                        "short_outputs": 0, "slots": 16},
     }
-    t = peers.throughput_table(tp)
+    t = tables.throughput_table(tp)
     assert "static batches of 16" in t and "-np 16" in t
     assert "| 2.50x |" in t  # 115 / 46
     assert "| 0.50x |" in t  # 100 / 200
     runs = [dict(tp["llama_http"]), dict(tp["llama_http"], slots=64, output_tps=80.0)]
-    t2 = peers.throughput_table(dict(tp, llama_http_runs=runs)).splitlines()
+    t2 = tables.throughput_table(dict(tp, llama_http_runs=runs)).splitlines()
     np16 = next(r for r in t2 if "-np 16" in r)
     np64 = next(r for r in t2 if "-np 64" in r)
     assert "best slot count" in np16 and "| 0.50x |" in np16
@@ -111,7 +118,7 @@ def test_throughput_and_serving_tables() -> None:
     fig = {"completed": 16, "rps": 0.2, "output_tps": 30.0, "ttft_ms": {"p50": 200.0, "p99": 900.0},
            "tpot_ms": {"p50": 50.0, "p99": 80.0}, "goodput": 0.2, "good_requests": 16}
     slow = dict(fig, ttft_ms={"p50": 400.0, "p99": 900.0}, goodput=0.1, good_requests=8)
-    s = peers.serving_table([dict(point, strata=slow, llama=fig)])
+    s = tables.serving_table([dict(point, strata=slow, llama=fig)])
     ratio_row = next(r for r in s.splitlines() if "Strata ÷ llama.cpp" in r)
     assert "| 2.00x |" in ratio_row and "| 0.50x |" in ratio_row  # TTFT p50 400/200; goodput 0.1/0.2
     assert "low (0.2 req/s, 16 req)" in s and "16/16" in s
@@ -125,19 +132,19 @@ def test_findings_and_markdown() -> None:
         "commands": [{"part": "latency", "cmd": "strata bench latency --random-model smol-135m"}],
         "errors": [{"part": "serving smol-135m", "error": "boom"}],
     }
-    f = peers.findings(res)
+    f = tables.findings(res)
     assert f[0].startswith("Strata behind: smol-135m batch-1 prefill") and "0.50x" in f[0]
     assert any(x.startswith("Strata ahead or even: smol-135m batch-1 decode") and "2.00x" in x for x in f)
-    md = peers.render_markdown(res)
+    md = report.render_markdown(res)
     assert md.startswith("# Peer benchmarks")
     assert "### smol-135m" in md and "strata bench latency --random-model smol-135m" in md
     assert "serving smol-135m: boom" in md
 
 
 def test_fmt_and_md_table() -> None:
-    assert peers.fmt_num(None) == "-" and peers.fmt_num(math.nan) == "-"
-    assert peers.fmt_num(1234.56) == "1,235" and peers.fmt_num(12.345) == "12.3" and peers.fmt_num(7) == "7"
-    t = peers.md_table(["a", "b"], [["x", 1.5]]).splitlines()
+    assert tables.fmt_num(None) == "-" and tables.fmt_num(math.nan) == "-"
+    assert tables.fmt_num(1234.56) == "1,235" and tables.fmt_num(12.345) == "12.3" and tables.fmt_num(7) == "7"
+    t = tables.md_table(["a", "b"], [["x", 1.5]]).splitlines()
     assert t == ["| a | b |", "| :-- | --: |", "| x | 1.5 |"]
 
 
@@ -163,7 +170,7 @@ def test_merge_previous_keeps_skipped_parts(tmp_path: Path) -> None:
     path.write_text(json.dumps(prev))
     new = {"date": "2026-02-02", "quick": False, "parts": ["latency"], "commands": [],
            "latency": {"smol-135m": {"strata_fp32": {"decode_tps": 3.0}}}, "throughput": {}, "serving": {}}
-    peers.merge_previous(new, path, ["smol-135m"], [])
+    report.merge_previous(new, path, ["smol-135m"], [])
     assert new["latency"]["smol-135m"]["strata_fp32"]["decode_tps"] == 3.0  # this run wins
     assert new["latency"]["qwen-0.5b"]["measured_on"] == "2026-01-01"  # kept, dated
     assert new["throughput"]["smol-135m"]["strata_offline"]["output_tps"] == 2.0

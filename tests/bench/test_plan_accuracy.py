@@ -8,9 +8,9 @@ import math
 
 import pytest
 
+from strata.analyze import plan_accuracy
 from strata.analyze.calibrate import StepOverhead
 from strata.analyze.plan import PlanRequest, build_plan
-from strata.bench import plan_accuracy
 from strata.cli import main
 
 

@@ -18,7 +18,9 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from strata import SamplingParams
+from strata.engine.lifecycle import SequenceLifecycle
 from strata.engine.request import Request, Sequence
+from strata.engine.sampler import SamplerOutput
 from strata.engine.scheduler import Scheduler
 from strata.errors import ConfigError
 from strata.memory.blocks import BlockManager
@@ -200,12 +202,13 @@ def test_kv_usage_waste_is_partial_last_blocks(llama, llm_factory, prompt_of):
 
 
 def test_flag_and_config():
-    from strata.cli import build_parser, engine_kwargs
+    from strata.cli import build_parser
+    from strata.engine.args import EngineArgs
 
     on = build_parser().parse_args(["generate", "--prompt", "x"])
     off = build_parser().parse_args(["generate", "--prompt", "x", "--no-prefix-caching"])
-    assert engine_kwargs(on)["enable_prefix_caching"] is True
-    assert engine_kwargs(off)["enable_prefix_caching"] is False
+    assert EngineArgs.from_cli_args(on).create_engine_config().enable_prefix_caching is True
+    assert EngineArgs.from_cli_args(off).create_engine_config().enable_prefix_caching is False
     from strata.config import EngineConfig
 
     assert EngineConfig().enable_prefix_caching is True
@@ -217,34 +220,27 @@ def test_flag_and_config():
 
 
 class KVSim:
-    """Engine bookkeeping around the real Scheduler; the 'forward' writes token ids into slots."""
+    """The engine's step around the real Scheduler; the 'forward' writes token ids into slots."""
 
     def __init__(self, num_blocks: int, block_size: int, max_num_seqs: int, budget: int, max_len: int,
                  caching: bool = True) -> None:
         self.bm = BlockManager(num_blocks, block_size, caching)
-        self.sched = Scheduler(self.bm, max_num_seqs, budget)
+        self.sched = Scheduler(self.bm, max_num_seqs, budget, lifecycle=SequenceLifecycle(max_model_len=max_len))
         self.kv: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
         self.max_len = max_len
         self.requests: dict[str, Request] = {}
-        self.seq_ids = itertools.count()
         self.req_ids = itertools.count()
 
     def add(self, tokens: list[int], max_tokens: int, n: int) -> None:
         tokens = tokens[: self.max_len - 1] or [0]
         rid = str(next(self.req_ids))
         req = Request(rid, None, list(tokens), SamplingParams(n=n, max_tokens=max_tokens))
-        seq = Sequence(next(self.seq_ids), req, 0, list(tokens))
-        req.seqs.append(seq)
         self.requests[rid] = req
-        self.sched.add(seq)
+        self.sched.add_request(req)
 
     def abort(self, pick: int) -> None:
         if self.requests:
-            req = self.requests.pop(sorted(self.requests)[pick % len(self.requests)])
-            for s in req.seqs:
-                if not s.finished:
-                    self.sched.finish(s)
-            req.forked = True
+            self.sched.abort(self.requests.pop(sorted(self.requests)[pick % len(self.requests)]))
 
     def live(self) -> list[Sequence]:
         return [s for r in self.requests.values() for s in r.seqs if not s.finished]
@@ -263,21 +259,10 @@ class KVSim:
                 b = table[pos // bs]
                 assert bm.ref_count(b) == 1 and not bm.is_cached(b), "KV written into a shared block"
                 self.kv[b][pos % bs] = seq.token_ids[pos]
-        samplers = [s.seq for s in out.scheduled if s.samples]
-        sched.update(out)
-        for seq in list(samplers):  # forks, as LLMEngine._expand_forks does them
-            req = seq.request
-            if not req.forked:
-                req.forked = True
-                for i in range(1, req.params.n):
-                    child = Sequence(next(self.seq_ids), req, i, list(req.prompt_token_ids))
-                    req.seqs.append(child)
-                    sched.fork(seq, child)
-                    samplers.append(child)
-        for seq in samplers:  # a small alphabet, so completions sometimes coincide
-            seq.token_ids.append(hash((seq.index, seq.num_tokens, seq.request.request_id)) % 3)
-            if seq.num_output_tokens >= seq.request.params.max_tokens or seq.num_tokens >= self.max_len:
-                sched.finish(seq)
+        samplers = [x for s in out.scheduled if s.samples for x in (s.seq, *s.forks)]  # forks: parent's row
+        # a small alphabet, so completions sometimes coincide
+        tokens = [hash((seq.index, seq.num_tokens, seq.request.request_id)) % 3 for seq in samplers]
+        sched.update(out, samplers, SamplerOutput(tokens, [None] * len(samplers)))
         for rid, req in list(self.requests.items()):
             if req.finished:
                 del self.requests[rid]

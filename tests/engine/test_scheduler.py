@@ -13,21 +13,23 @@ import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
+from strata.engine.lifecycle import SequenceLifecycle
 from strata.engine.request import Request, SeqStatus, Sequence
+from strata.engine.sampler import SamplerOutput
 from strata.engine.sampling_params import SamplingParams
 from strata.engine.scheduler import Scheduler
 from strata.memory.blocks import BlockManager
 
 
 class Sim:
-    """The engine's bookkeeping around the scheduler, with a fake token instead of a model."""
+    """The engine's step around the real scheduler (schedule -> fake forward -> fake sample ->
+    update), with a fake token instead of a model."""
 
     def __init__(self, num_blocks: int, block_size: int, max_num_seqs: int, budget: int, max_len: int):
         self.bm = BlockManager(num_blocks, block_size)
-        self.sched = Scheduler(self.bm, max_num_seqs, budget)
+        self.sched = Scheduler(self.bm, max_num_seqs, budget, lifecycle=SequenceLifecycle(max_model_len=max_len))
         self.max_len = max_len
         self.requests: dict[str, Request] = {}
-        self.seq_ids = itertools.count()
         self.req_ids = itertools.count()
         self.forked_any = False
         self.steps = 0
@@ -36,20 +38,14 @@ class Sim:
         prompt_len = min(prompt_len, self.max_len - 1)
         rid = str(next(self.req_ids))
         req = Request(rid, None, list(range(3, 3 + prompt_len)), SamplingParams(n=n, max_tokens=max_tokens))
-        seq = Sequence(next(self.seq_ids), req, 0, list(req.prompt_token_ids))
-        req.seqs.append(seq)
         self.requests[rid] = req
-        self.sched.add(seq)
+        self.sched.add_request(req)
 
     def abort(self, pick: int) -> None:
         if not self.requests:
             return
         rid = sorted(self.requests)[pick % len(self.requests)]
-        req = self.requests.pop(rid)
-        for s in req.seqs:
-            if not s.finished:
-                self.sched.finish(s)
-        req.forked = True
+        self.sched.abort(self.requests.pop(rid))
 
     def live_seqs(self) -> list[Sequence]:
         return [s for r in self.requests.values() for s in r.seqs if not s.finished]
@@ -96,23 +92,15 @@ class Sim:
             assert len(sched.running) <= sched.max_num_seqs
         # the block manager agrees with the tables before the step's (fake) forward
         self.bm.check([s.block_table for s in self.live_seqs()])
-        samplers = [s.seq for s in out.scheduled if s.samples]  # decided before update, as the runner does
-        sched.update(out)
-        for seq in list(samplers):  # forks, exactly as LLMEngine._expand_forks does them
-            req = seq.request
-            if not req.forked:
-                req.forked = True
-                for i in range(1, req.params.n):
-                    child = Sequence(next(self.seq_ids), req, i, list(req.prompt_token_ids))
-                    req.seqs.append(child)
-                    sched.fork(seq, child)
-                    self.forked_any = True
-                    samplers.append(child)
-        for seq in samplers:
-            seq.token_ids.append(7)
+        for s in out.scheduled:  # a request with n > 1 forks when its prompt is first computed
+            assert not s.forks or (s.samples and len(s.forks) == s.seq.request.params.n - 1)
+            self.forked_any |= bool(s.forks)
+        # the rows the runner returns: each sampling sequence, forks sampling from their parent's row
+        samplers = [x for s in out.scheduled if s.samples for x in (s.seq, *s.forks)]
+        sched.update(out, samplers, SamplerOutput([7] * len(samplers), [None] * len(samplers)))
+        for seq in samplers:  # the scheduler applied the stop conditions and freed what finished
             p = seq.request.params
-            if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_len:
-                sched.finish(seq)
+            assert seq.finished == (seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_len)
         for rid, req in list(self.requests.items()):
             if req.finished:
                 del self.requests[rid]

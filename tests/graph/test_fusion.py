@@ -152,3 +152,24 @@ def test_print_fusions_cli(text_model, capsys):
     for name, n in fusion.expected_counts(layers).items():
         assert f"{name:<13} {n:>4}" in err
     assert "structure implies" not in err
+
+
+def test_paged_decode_op_takes_the_backend_name():
+    """strata::paged_decode (the compiled step's attention) looks its backend up by name: an op
+    schema takes primitives, AttentionMetadata.backend is the backend object."""
+    from strata.kernels.attention import get_backend
+    from tests.kernels.triton_kernels.triton_cases import paged_cache
+
+    g = torch.Generator().manual_seed(2)
+    cache, tables, lens = paged_cache(g, [9, 20], 8, 2, 16, torch.float32)
+    q = torch.randn(2, 4, 16, generator=g)
+    mask = (torch.arange(tables.shape[1] * 8)[None, :] < lens[:, None]).view(2, 1, 1, -1)
+    from strata.kernels import cpu_attention
+
+    for name in ("torch", "sdpa", "cpu", "triton"):
+        if name == "cpu" and not cpu_attention.available():
+            continue
+        b = get_backend(name)
+        m = mask if b.uses_decode_mask else None
+        got = torch.ops.strata.paged_decode(q, cache, tables, lens, m, 0.25, name)
+        torch.testing.assert_close(got, b.decode(q, cache, tables, lens, m, 0.25), rtol=0, atol=0)

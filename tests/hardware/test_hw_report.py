@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from strata.hardware import report
+from strata.hardware import gpu_facts, host_facts, report
 from strata.hardware.probe import HardwareProfile
 
 PROFILE = HardwareProfile(
@@ -39,7 +39,7 @@ def test_cpu_caches_and_numa_from_sysfs(tmp_path) -> None:
         ]):
             for name, value in (("level", level), ("type", kind), ("size", size), ("shared_cpu_list", shared)):
                 _write(base / f"index{idx}" / name, f"{value}\n")
-    caches = report.cpu_caches([0, 1], tmp_path / "cpu")
+    caches = host_facts.cpu_caches([0, 1], tmp_path / "cpu")
     assert caches["L1d"] == {"bytes": 48 * 1024, "instances": 2}
     assert caches["L2"] == {"bytes": 2 * 2**20, "instances": 2}
     assert caches["L3"] == {"bytes": 32 * 2**20, "instances": 1}
@@ -47,13 +47,13 @@ def test_cpu_caches_and_numa_from_sysfs(tmp_path) -> None:
     _write(tmp_path / "node" / "node0" / "cpulist", "0-1\n")
     _write(tmp_path / "node" / "node0" / "meminfo", "Node 0 MemTotal:       1024 kB\n")
     _write(tmp_path / "node" / "node1" / "cpulist", "2-3\n")
-    nodes = report.numa_nodes(tmp_path / "node")
+    nodes = host_facts.numa_nodes(tmp_path / "node")
     assert [n["node"] for n in nodes] == [0, 1] and nodes[0]["memory_bytes"] == 1024 * 1024
-    assert report.numa_nodes(tmp_path / "absent")[0]["node"] == 0
+    assert host_facts.numa_nodes(tmp_path / "absent")[0]["node"] == 0
 
 
 def test_host_info_fields() -> None:
-    h = report.host_info()
+    h = host_facts.host_info()
     for key in ("model", "cores_physical", "cores_logical", "cpus_usable", "cores_usable", "isa", "caches",
                 "numa_nodes", "memory_total_bytes", "memory_available_bytes"):
         assert key in h
@@ -69,24 +69,24 @@ def test_host_info_fields() -> None:
     ((9, 0), ["sm_75", "sm_80"], False, "no kernel image"),
 ])
 def test_arch_check(cap, archs, ok, word) -> None:
-    r = report.arch_check(cap, archs)
+    r = gpu_facts.arch_check(cap, archs)
     assert r["ok"] is ok and word in r["how"]
     if not ok:
         assert f"sm_{cap[0]}{cap[1]}" in r["fix"] and "torch" in r["fix"]
 
 
 def test_pcie_downgrade() -> None:
-    assert report.pcie_downgrade({"width_current": 8, "width_max": 16, "gen_current": 4, "gen_max": 4}) == \
+    assert gpu_facts.pcie_downgrade({"width_current": 8, "width_max": 16, "gen_current": 4, "gen_max": 4}) == \
         "running x8 of x16"
-    assert "gen1 of gen5" in report.pcie_downgrade({"width_current": 16, "width_max": 16, "gen_current": 1,
+    assert "gen1 of gen5" in gpu_facts.pcie_downgrade({"width_current": 16, "width_max": 16, "gen_current": 1,
                                                     "gen_max": 5})
-    assert report.pcie_downgrade({"width_current": 16, "width_max": 16}) is None
-    assert report.pcie_downgrade({}) is None
+    assert gpu_facts.pcie_downgrade({"width_current": 16, "width_max": 16}) is None
+    assert gpu_facts.pcie_downgrade({}) is None
 
 
 def test_no_gpu_path(monkeypatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert report.gpu_devices() == []
+    assert gpu_facts.gpu_devices() == []
     monkeypatch.setattr(report, "probe", lambda device="cpu", refresh=False: PROFILE)
     text = report.format_report(report.build_report())
     assert "GPUs: none visible" in text and "numpy read 38.0" in text and "dispatch" in text
@@ -146,9 +146,10 @@ def _fake_cuda(monkeypatch, arch_list) -> None:
 
 def test_gpu_path_with_fake_cuda_and_nvml(monkeypatch) -> None:
     _fake_cuda(monkeypatch, ["sm_80", "sm_90"])
-    monkeypatch.setattr(report, "_load_nvml", lambda: FakeNVML())
-    monkeypatch.setattr(report, "probe", lambda device="cpu", refresh=False: GPU_PROFILE if "cuda" in device
-                        else PROFILE)
+    monkeypatch.setattr(gpu_facts, "_load_nvml", lambda: FakeNVML())
+    for mod in (report, gpu_facts):  # the CPU's figures, the GPUs'
+        monkeypatch.setattr(mod, "probe", lambda device="cpu", refresh=False: GPU_PROFILE if "cuda" in device
+                            else PROFILE)
     r = report.build_report()
     gpus = r["gpus"]
     assert [g["index"] for g in gpus] == [0, 1]
@@ -164,16 +165,16 @@ def test_gpu_path_with_fake_cuda_and_nvml(monkeypatch) -> None:
 
 def test_gpu_path_no_kernel_image_and_no_nvml(monkeypatch) -> None:
     _fake_cuda(monkeypatch, ["sm_70", "sm_75"])
-    monkeypatch.setattr(report, "_load_nvml", lambda: None)
-    monkeypatch.setattr(report, "probe", lambda *a, **k: pytest.fail("must not measure an unusable GPU"))
-    gpus = report.gpu_devices()
+    monkeypatch.setattr(gpu_facts, "_load_nvml", lambda: None)
+    monkeypatch.setattr(gpu_facts, "probe", lambda *a, **k: pytest.fail("must not measure an unusable GPU"))
+    gpus = gpu_facts.gpu_devices()
     text = "\n".join(report._gpu_lines(gpus[0]))
     assert "PROBLEM" in text and "sm_90" in text and "fix" in text and "nvidia-ml-py" in text
 
 
 def test_load_nvml_absent(monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "pynvml", None)  # import fails
-    assert report._load_nvml() is None
+    assert gpu_facts._load_nvml() is None
 
 
 def test_cli_hw_json(monkeypatch, capsys) -> None:

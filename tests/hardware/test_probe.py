@@ -14,18 +14,17 @@ import torch
 
 from strata.config import DTYPES
 from strata.errors import ConfigError
+from strata.hardware import measure as measure_mod
 from strata.hardware import probe as probe_mod
-from strata.hardware.placement import default_threads, set_compute_threads
-from strata.hardware.probe import (
-    HardwareProfile,
-    auto_dtype,
+from strata.hardware.measure import (
     measure_dispatch_us,
     measure_gemm,
     measure_linear,
     measure_mem_bandwidth,
     numpy_bandwidth_meter,
-    probe,
 )
+from strata.hardware.placement import default_threads, set_compute_threads
+from strata.hardware.probe import HardwareProfile, auto_dtype, probe
 from strata.kernels import cpu_quant
 
 
@@ -74,15 +73,15 @@ CUDA = HardwareProfile(
 def tiny_probe(monkeypatch: pytest.MonkeyPatch, tmp_path) -> Iterator[list[int]]:
     """probe() with a private cache dir and tiny measurements; yields a measure-call counter."""
     monkeypatch.setenv("STRATA_CACHE", str(tmp_path))
-    monkeypatch.setattr(probe_mod, "CPU_LINEAR_SHAPE", (64, 32))
-    monkeypatch.setattr(probe_mod, "CPU_SDPA_SHAPE", (1, 2, 16, 16))
-    monkeypatch.setattr(probe_mod, "GEMM_SHAPE", (64, 32))
-    monkeypatch.setattr(probe_mod, "GEMM_ROWS", 32)
-    monkeypatch.setattr(probe_mod, "QUANT_LINEAR_SHAPE", (64, 64))
-    monkeypatch.setattr(probe_mod, "NUMPY_BANDWIDTH_BYTES", 2**20)
-    real_bw = probe_mod.measure_mem_bandwidth
+    monkeypatch.setattr(measure_mod, "CPU_LINEAR_SHAPE", (64, 32))
+    monkeypatch.setattr(measure_mod, "CPU_SDPA_SHAPE", (1, 2, 16, 16))
+    monkeypatch.setattr(measure_mod, "GEMM_SHAPE", (64, 32))
+    monkeypatch.setattr(measure_mod, "GEMM_ROWS", 32)
+    monkeypatch.setattr(measure_mod, "QUANT_LINEAR_SHAPE", (64, 64))
+    monkeypatch.setattr(measure_mod, "NUMPY_BANDWIDTH_BYTES", 2**20)
+    real_bw = measure_mod.measure_mem_bandwidth
     monkeypatch.setattr(
-        probe_mod, "measure_mem_bandwidth", lambda device="cpu", **_: real_bw(device, 2**20, 2)
+        measure_mod, "measure_mem_bandwidth", lambda device="cpu", **_: real_bw(device, 2**20, 2)
     )
     calls: list[int] = []
     real_measure = probe_mod._measure
@@ -146,7 +145,7 @@ def test_probe_key_depends_on_threads(
 
 
 def test_auto_dtype_cpu_slow_bf16_picks_float32(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger="strata.hardware.probe"):
+    with caplog.at_level(logging.INFO, logger="strata.hardware.dtype_policy"):
         assert auto_dtype("cpu", torch.bfloat16, SLOW_BF16) == torch.float32
     assert "55.0 GFLOP/s" in caplog.text and "20.0 GFLOP/s" in caplog.text
     assert auto_dtype("cpu", torch.float32, SLOW_BF16) == torch.float32

@@ -8,8 +8,8 @@ import json
 import pytest
 
 from strata import SamplingParams
-from strata.kernels import cpu_gemv
-from strata.kernels.profile import named_kernels, profile_decode
+from strata.kernels import cpu_gemv, dispatch
+from strata.kernels.profile import _kernel_entry_points, named_kernels, profile_decode
 
 
 def _check(report: dict | object) -> None:
@@ -40,11 +40,19 @@ def test_profile_report(llama, llm_factory, prompt_of, tmp_path, fuse):
     assert not llm.engine.has_unfinished()
 
 
-def test_named_kernels_restores_entry_points():
+def test_named_kernels_names_every_entry_point_without_patching():
+    """Each numba entry point is one decorated function (kernels/dispatch.kernel) carrying its range
+    name; named_kernels() switches the naming on for this context and patches nothing."""
+    entry = {(mod.__name__, attr): getattr(mod, attr) for mod, attr, _ in _kernel_entry_points()}
+    for mod, attr, label in _kernel_entry_points():
+        fn = getattr(mod, attr)
+        assert fn.kernel_name == label and callable(fn.__wrapped_kernel__)
     before = cpu_gemv.gemv
     with named_kernels():
-        assert cpu_gemv.gemv is not before and cpu_gemv.gemv.__wrapped_kernel__ is before
-    assert cpu_gemv.gemv is before
+        assert dispatch.current().named
+        assert cpu_gemv.gemv is before
+    assert not dispatch.current().named
+    assert {(mod.__name__, attr): getattr(mod, attr) for mod, attr, _ in _kernel_entry_points()} == entry
 
 
 def test_bench_latency_profile_json(llama, tmp_path, capsys):

@@ -170,14 +170,15 @@ def test_quantize_model_rejects_unknown_method(tiny_models):
 
 
 def test_cli_flags_reach_the_engine():
-    from strata.cli import build_parser, engine_kwargs
+    from strata.cli import build_parser
+    from strata.engine.args import EngineArgs
 
     args = build_parser().parse_args(["generate", "--prompt", "x", "--quantization", "int4",
                                       "--quantization-group-size", "128"])
-    kw = engine_kwargs(args)
-    assert kw["quantization"] == "int4" and kw["quantization_group_size"] == 128
+    cfg = EngineArgs.from_cli_args(args).create_engine_config()
+    assert cfg.quantization == "int4" and cfg.quantization_group_size == 128
     args = build_parser().parse_args(["bench", "latency", "--quantization", "int8"])
-    assert engine_kwargs(args)["quantization"] == "int8"
+    assert EngineArgs.from_cli_args(args).create_engine_config().quantization == "int8"
 
 
 def test_bf16_model_runs_through_the_torch_twin(tiny_models):

@@ -5,6 +5,14 @@ and an explicit head_dim. q/k/v and gate/up are single fused matmuls (the loader
 
 With attention metadata the model runs the engine's step over the paged KV cache ([T] flattened
 tokens); without it, a plain causal forward over [B, L] (reference checks, training later).
+
+The step's attention is two calls: the KV write (`write_kv`, plain tensor ops that graph/fusion.py
+traces and fuses) and `attend_cached`, the step's prefill/decode split over the metadata, which is
+a leaf for that tracer (torch.fx.wrap below). Run-time kernel choices (the CPU kernels, the cpu
+backend's fused rotary + KV write + decode) ask kernels/dispatch.py's mode first, so the tracer
+gets the torch reference paths without patching anything. Forwards hold the trace gate
+(graph/trace_gate.py) shared: FX tracing patches torch.nn.Module.__call__ process-wide while it
+runs, and so waits for them.
 """
 
 from __future__ import annotations
@@ -14,13 +22,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from strata.graph.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rotary
+from strata.graph.trace_gate import TRACE_GATE
 from strata.kernels.attention import (
     AttentionMetadata,
+    attend_cached,
     fused_decode_attention,
     fused_decode_usable,
-    paged_attention,
+    write_kv,
 )
 from strata.model_config import ModelConfig
+
+torch.fx.wrap("attend_cached")  # one leaf for graph/fusion.py's tracer (its split is Python control flow)
 
 
 class Attention(nn.Module):
@@ -54,7 +66,8 @@ class Attention(nn.Module):
             q, k = apply_rotary(q, rope), apply_rotary(k, rope)
         v = qkv[..., self.q_size + self.kv_size :].view(*lead, self.kv_heads, self.head_dim)
         if meta is not None:
-            out = paged_attention(q, k, v, kv_cache, meta, self.scale)
+            write_kv(kv_cache, k, v, meta.slot_mapping)
+            out = attend_cached(q, k, v, kv_cache, meta, self.scale)
         else:
             out = self._causal(q, k, v)
         return self.o_proj(out)
@@ -116,6 +129,10 @@ class CausalLM(nn.Module):
         meta: AttentionMetadata | None = None,
         kv_caches: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
+        with TRACE_GATE.shared():  # no FX trace patches module calls while this forward runs
+            return self._forward(input_ids, positions, meta, kv_caches)
+
+    def _forward(self, input_ids, positions, meta, kv_caches) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         rope = self.rotary(positions, x.dtype)
         residual = None

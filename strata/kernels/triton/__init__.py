@@ -9,8 +9,8 @@
 For each op, `op` dispatches (Triton on CUDA tensors when Triton is importable, else the twin),
 `op_ref` is the twin (the CPU path and the tests' oracle) and `op_triton` launches the kernel.
 Triton is optional (`pip install strata[triton]`); this package imports without it. Importing it
-imports triton when present, so `kernels/attention.py` imports it lazily, only for the "triton"
-backend.
+imports triton when present, so kernels/attention/triton_backend.py imports it lazily, only when
+the "triton" backend decodes.
 """
 
 from strata.kernels.triton._runtime import available, use_triton

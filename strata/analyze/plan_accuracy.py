@@ -67,7 +67,7 @@ def _stream_now(dtype: str, seconds: float = 1.0) -> float:
 
     import torch
 
-    from strata.hardware.probe import CPU_LINEAR_SHAPE
+    from strata.hardware.measure import CPU_LINEAR_SHAPE
     from strata.kernels.linear import linear
 
     with torch.inference_mode():
@@ -91,7 +91,9 @@ def _predict(model: str, dtype: str):
 
 
 def main(args: argparse.Namespace) -> int:
-    from strata.analyze.plan import ModelShape, decode_step, resolve_model
+    from strata.analyze.cost_model import ModelShape, decode_step
+    from strata.analyze.plan import resolve_model
+    from strata.config import engine_default
 
     models = args.model or ["smol-135m", "qwen-0.5b"]
     rows, pairs = [], []
@@ -101,7 +103,7 @@ def main(args: argparse.Namespace) -> int:
         cfg, _ = resolve_model(model)
         import torch
 
-        shape = ModelShape.of(cfg, getattr(torch, plan.dtype), None, 64)
+        shape = ModelShape.of(cfg, getattr(torch, plan.dtype), None, engine_default("quantization_group_size"))
         for case, batch, n_in, n_out, target in CASES:
             print(f"{model}: strata bench latency, {case} ...", flush=True)
             cpu = plan.device.kind == "cpu"  # the drift re-measurement is a CPU GEMV

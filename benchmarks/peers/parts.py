@@ -1,0 +1,237 @@
+"""The benchmark parts (latency, throughput, serving); a contended measurement is taken again."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from .figures import (
+    derive_rates,
+    others_cpu,
+    parse_llama_bench,
+    pick_bench,
+    prompts_for_rate,
+    serve_summary,
+)
+from .monitor import loadavg
+from .runner import Ctx, Server, free_port, read_json
+from .settings import RATE_FACTORS, rng_text
+
+
+def measure(ctx: Ctx, what: str, fn: Any) -> Any:
+    """fn(attempt) runs one measurement (one or more commands) and returns its figures. When other
+    processes used >= --quiet-cpu of a core during it and --retries remain, run it again (after
+    waiting for quiet) and keep the least-contended attempt; the others' commands are marked
+    discarded (kept in results.json, left out of the report's command list)."""
+    attempts: list[tuple[float, Any, list[dict]]] = []
+    for attempt in range(1 + max(0, ctx.args.retries)):
+        n0 = len(ctx.results["commands"])
+        out = fn(attempt)
+        entries = ctx.results["commands"][n0:]
+        busy = others_cpu(*entries) or 0.0
+        attempts.append((busy, out, entries))
+        if busy < ctx.args.quiet_cpu:
+            break
+        if attempt < ctx.args.retries:
+            print(f"    {what}: other processes used {busy:.0f}% of a core meanwhile; measuring again", flush=True)
+    best = min(range(len(attempts)), key=lambda i: attempts[i][0])
+    for i, (_busy, _out, entries) in enumerate(attempts):
+        for e in entries:
+            e["attempt"] = i + 1
+            if i != best:
+                e["discarded"] = True
+    if len(attempts) > 1:
+        ctx.results["notes"].append(
+            f"{what}: measured {len(attempts)} times because other processes were busy "
+            f"({', '.join(f'{a[0]:.0f}%' for a in attempts)} of a core); the report keeps attempt {best + 1}.")
+    return attempts[best][1]
+
+
+def part_latency(ctx: Ctx, shape: str, ggufs: dict[str, Path]) -> dict:
+    wl, args = ctx.wl, ctx.args
+    res: dict[str, Any] = {"loadavg_before": loadavg()}
+    out_dir = ctx.run_dir / "latency"
+    out_dir.mkdir(exist_ok=True)
+    files = [ggufs[t] for t in ("f32", "q8_0", "f16")]
+    margs = [a for f in files for a in ("-m", f)]
+    common = ["-t", str(args.threads), "-r", str(wl.bench_reps), "-o", "json"]
+
+    def llama(attempt: int) -> tuple[list[dict], float | None]:
+        pp = ctx.run("latency", f"llama-bench-pp-{shape}",
+                     [ctx.bin_dir / "llama-bench", *margs, "-p", str(wl.lat_in), "-n", "0", *common],
+                     capture=True, timeout=3600)
+        e_pp = ctx.last
+        tg = ctx.run("latency", f"llama-bench-tg-{shape}",
+                     [ctx.bin_dir / "llama-bench", *margs, "-p", "0", "-n", str(wl.lat_out), "-d", str(wl.lat_in),
+                      *common], capture=True, timeout=3600)
+        return parse_llama_bench(pp) + parse_llama_bench(tg), others_cpu(e_pp, ctx.last)
+
+    rows, busy = measure(ctx, f"{shape} llama-bench", llama)
+    (out_dir / f"llama-bench-{shape}.json").write_text(json.dumps(rows, indent=2) + "\n")
+    for t in ("f32", "q8_0", "f16"):
+        name = ggufs[t].name
+        p = pick_bench(rows, name, wl.lat_in, 0, 0)
+        g = pick_bench(rows, name, 0, wl.lat_out, wl.lat_in)
+        res[f"llama_{t}"] = {"prefill_tps": p and p["avg_ts"], "decode_tps": g and g["avg_ts"],
+                             "prefill_stddev": p and p["stddev_ts"], "decode_stddev": g and g["stddev_ts"],
+                             "model_type": (p or g or {}).get("model_type"), "others_cpu": busy}
+    if rows:
+        ctx.results["versions"]["llama_cpp"].setdefault("build_number", rows[0].get("build_number"))
+        ctx.results["versions"]["llama_cpp"].setdefault("build_commit", rows[0].get("build_commit"))
+        ctx.results["machine"].setdefault("llama_cpu_info", rows[0].get("cpu_info"))
+
+    base = [*ctx.strata, "bench", "latency", "--random-model", shape, "--dtype", "float32",
+            "--input-len", str(wl.lat_in), "--output-len", str(wl.lat_out), "--threads", str(args.threads)]
+
+    def strata(extra: list[str], tag: str) -> Any:
+        def run(attempt: int) -> tuple[dict, float | None]:
+            f = out_dir / f"strata-{shape}-{tag}{f'-a{attempt + 1}' if attempt else ''}.json"
+            ctx.run("latency", f"strata-latency-{shape}-{tag}", [*base, *extra, "--json", f], timeout=3600)
+            return read_json(f), others_cpu(ctx.last)
+        return measure(ctx, f"{shape} strata bench latency {tag}", run)
+
+    d, busy = strata(["--compare", "hf"], "fp32")
+    for key, src in (("strata_fp32", "strata"), ("hf_fp32", "hf")):
+        if d.get(src):
+            res[key] = {"prefill_tps": d[src]["prefill_tokens_per_s"], "decode_tps": d[src]["decode_tokens_per_s"],
+                        "mbu": d[src].get("mbu"), "achieved_gbs": d[src].get("achieved_gbs"), "others_cpu": busy}
+    res["mem_bandwidth_gbs_fp32_run"] = d.get("mem_bandwidth_gbs")
+    d, busy = strata(["--quantization", "int8"], "int8")
+    res["strata_int8"] = {"prefill_tps": d["strata"]["prefill_tokens_per_s"],
+                          "decode_tps": d["strata"]["decode_tokens_per_s"], "mbu": d["strata"].get("mbu"),
+                          "others_cpu": busy}
+    res["loadavg_after"] = loadavg()
+    return res
+
+
+def bench_serve(ctx: Ctx, part: str, name: str, url: str, model_dir: Path, num_prompts: int, rate: str,
+                out: Path) -> dict:
+    """`strata bench serve` against url (through measure(): repeated when contended)."""
+    wl = ctx.wl
+
+    def run(attempt: int) -> dict:
+        f = out.with_name(f"{out.stem}-a{attempt + 1}{out.suffix}") if attempt else out
+        cmd = [*ctx.strata, "bench", "serve", "--url", url, "--num-prompts", str(num_prompts),
+               "--request-rate", rate, "--input-len", rng_text(wl.tp_in), "--output-len", rng_text(wl.tp_out),
+               "--tokenizer", model_dir, "--slo", ctx.args.slo, "--seed", "0", "--no-progress", "--json", f]
+        ctx.run(part, name, cmd, timeout=3600)
+        s = serve_summary(read_json(f))
+        s["loadavg_after"] = loadavg()
+        s["others_cpu"] = others_cpu(ctx.last)
+        return s
+
+    return measure(ctx, name, run)
+
+
+def strata_server(ctx: Ctx, part: str, shape: str) -> Server:
+    port = free_port(ctx.args.port)
+    cmd = [*ctx.strata, "serve", "--random-model", shape, "--dtype", "float32", "--kv-cache-memory",
+           ctx.args.kv_cache_memory, "--threads", str(ctx.args.threads), "--port", str(port)]
+    return Server(ctx, part, f"strata-serve-{shape}", cmd, port, "/ready")
+
+
+def llama_server(ctx: Ctx, part: str, shape: str, gguf: Path, slots: int) -> Server:
+    port = free_port(ctx.args.port + 1)
+    per_slot = 1 << max(8, math.ceil(math.log2(ctx.wl.tp_in[1] + ctx.wl.tp_out[1] + 64)))
+    cmd = [ctx.bin_dir / "llama-server", "-m", gguf, "--host", "127.0.0.1", "--port", str(port),
+           "-t", str(ctx.args.threads), "-tb", str(ctx.args.threads), "-np", str(slots), "-cb",
+           "-c", str(slots * per_slot), "--no-webui"]
+    return Server(ctx, part, f"llama-server-{shape}", cmd, port, "/health")
+
+
+def part_throughput(ctx: Ctx, shape: str, ggufs: dict[str, Path]) -> dict:
+    from strata.demo.random_models import random_model_path
+
+    wl, args = ctx.wl, ctx.args
+    res: dict[str, Any] = {"loadavg_before": loadavg(), "notes": []}
+    out_dir = ctx.run_dir / "throughput"
+    out_dir.mkdir(exist_ok=True)
+
+    def offline(attempt: int) -> tuple[dict, float | None]:
+        f = out_dir / f"strata-{shape}{f'-a{attempt + 1}' if attempt else ''}.json"
+        ctx.run("throughput", f"strata-throughput-{shape}",
+                [*ctx.strata, "bench", "throughput", "--random-model", shape, "--dtype", "float32",
+                 "--num-prompts", str(wl.tp_prompts), "--input-len", rng_text(wl.tp_in), "--output-len",
+                 rng_text(wl.tp_out), "--threads", str(args.threads), "--compare", "hf", "--hf-batch-size",
+                 str(wl.hf_batch), "--json", f], timeout=7200)
+        return read_json(f), others_cpu(ctx.last)
+
+    d, busy = measure(ctx, f"{shape} strata bench throughput --compare hf", offline)
+    for key, src in (("strata_offline", "strata"), ("hf_static", "hf")):
+        if d.get(src):
+            s = d[src]
+            res[key] = {"requests": s["requests"], "elapsed_s": s["elapsed_s"], "rps": s["requests_per_s"],
+                        "output_tps": s["output_tokens_per_s"], "total_tps": s["total_tokens_per_s"],
+                        "batch_size": s.get("batch_size"), "others_cpu": busy}
+    model_dir = random_model_path(shape)
+    with strata_server(ctx, "throughput", shape) as srv:
+        s = bench_serve(ctx, "throughput", f"bench-serve-strata-{shape}-inf", srv.url, model_dir, wl.tp_prompts,
+                        "inf", out_dir / f"serve-strata-{shape}-inf.json")
+    res["strata_http"] = dict(s, requests=s["completed"], elapsed_s=s["duration_s"])
+    runs = []
+    for slots in llama_slot_list(args):
+        with llama_server(ctx, "throughput", shape, ggufs["f32"], slots) as srv:
+            s = bench_serve(ctx, "throughput", f"bench-serve-llama-{shape}-np{slots}-inf", srv.url, model_dir,
+                            wl.tp_prompts, "inf", out_dir / f"serve-llama-{shape}-np{slots}-inf.json")
+        runs.append(dict(s, requests=s["completed"], elapsed_s=s["duration_s"], slots=slots))
+    res["llama_http_runs"] = runs
+    res["llama_http"] = max(runs, key=lambda r: r.get("output_tps") or 0.0)
+    for label, r in [("strata serve", res["strata_http"])] + [(f"llama-server -np {r['slots']}", r) for r in runs]:
+        if r.get("failed"):
+            res["notes"].append(f"{label}: {r['failed']} requests failed: {list(r['errors'])[:2]}")
+        if r.get("short_outputs"):
+            res["notes"].append(f"{label}: {r['short_outputs']} requests returned fewer tokens than max_tokens")
+    if not any(r.get("short_outputs") or r.get("failed") for r in runs):
+        res["notes"].append("llama-server honoured `ignore_eos` (no short outputs) and streamed "
+                            "/v1/completions with a usage chunk to `strata bench serve`.")
+    res["loadavg_after"] = loadavg()
+    return res
+
+
+def llama_slot_list(args: argparse.Namespace) -> list[int]:
+    return [int(x) for x in str(args.llama_slots).split(",") if x.strip()]
+
+
+def part_serving(ctx: Ctx, shape: str, ggufs: dict[str, Path], saturation: tuple[float, str] | None,
+                 tp_res: dict | None = None) -> dict:
+    from strata.demo.random_models import random_model_path
+
+    wl, args = ctx.wl, ctx.args
+    out_dir = ctx.run_dir / "serving"
+    out_dir.mkdir(exist_ok=True)
+    model_dir = random_model_path(shape)
+    res: dict[str, Any] = {"loadavg_before": loadavg(), "slo": args.slo}
+    if args.rates:
+        rates = dict(zip(RATE_FACTORS, (float(x) for x in args.rates.split(","))))
+        res["saturation_rps"], res["saturation_source"] = None, "--rates given"
+    else:
+        if saturation is None:  # no throughput part in this run: measure Strata's saturation here
+            with strata_server(ctx, "serving", shape) as srv:
+                s = bench_serve(ctx, "serving", f"bench-serve-strata-{shape}-saturation", srv.url, model_dir,
+                                wl.tp_prompts, "inf", out_dir / f"serve-strata-{shape}-inf.json")
+            saturation = (s["rps"], "Strata's `strata serve` at --request-rate inf, measured in this part")
+        res["saturation_rps"], res["saturation_source"] = saturation
+        rates = derive_rates(saturation[0])
+    points = [{"name": name, "rate": rate,
+               "num_prompts": prompts_for_rate(rate, wl.serve_target_s, wl.serve_min_prompts, wl.serve_max_prompts)}
+              for name, rate in rates.items()]
+    res["points"] = points
+    with strata_server(ctx, "serving", shape) as srv:
+        res["strata_cmd"] = ctx.display(srv.cmd).replace(f"--port {srv.port}", "--port P")
+        for p in points:
+            p["strata"] = bench_serve(ctx, "serving", f"bench-serve-strata-{shape}-{p['name']}", srv.url, model_dir,
+                                      p["num_prompts"], f"{p['rate']:g}",
+                                      out_dir / f"serve-strata-{shape}-{p['name']}.json")
+    slots = (tp_res or {}).get("llama_http", {}).get("slots") or llama_slot_list(args)[0]
+    res["llama_slots"] = slots
+    with llama_server(ctx, "serving", shape, ggufs["f32"], slots) as srv:
+        res["llama_cmd"] = ctx.display(srv.cmd).replace(f"--port {srv.port}", "--port P")
+        for p in points:
+            p["llama"] = bench_serve(ctx, "serving", f"bench-serve-llama-{shape}-{p['name']}", srv.url, model_dir,
+                                     p["num_prompts"], f"{p['rate']:g}",
+                                     out_dir / f"serve-llama-{shape}-{p['name']}.json")
+    res["loadavg_after"] = loadavg()
+    return res

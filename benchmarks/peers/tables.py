@@ -1,0 +1,171 @@
+"""Markdown tables of the figures (latency, throughput, serving) and the findings sentences.
+
+Unit-tested in tests/bench/test_peers.py.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from .figures import ratio
+
+
+def fmt_num(v: Any, digits: int = 3) -> str:
+    """Numbers for tables: '-' for missing, 3 significant digits below 100, else whole numbers."""
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return "-"
+    if isinstance(v, int):
+        return f"{v:,}"
+    if isinstance(v, float):
+        if abs(v) >= 100:
+            return f"{v:,.0f}"
+        return f"{v:.{digits}g}"
+    return str(v)
+
+
+def fmt_cpu(v: float | None) -> str:
+    return "-" if v is None else f"{v:.0f}%"
+
+
+def fmt_ratio(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}x"
+
+
+def md_table(headers: list[str], rows: list[list[Any]], left: int = 1) -> str:
+    """A GitHub markdown table; the first `left` columns left-aligned, the rest right-aligned."""
+    cells = [[c if isinstance(c, str) else fmt_num(c) for c in r] for r in rows]
+    align = [":--"] * left + ["--:"] * (len(headers) - left)
+    lines = ["| " + " | ".join(headers) + " |", "| " + " | ".join(align) + " |"]
+    lines += ["| " + " | ".join(r) + " |" for r in cells]
+    return "\n".join(lines)
+
+
+# one row per engine/weights; "vs" names the Strata row a peer row is compared with
+LATENCY_ROWS = (
+    ("strata_fp32", "**Strata**", "fp32", None),
+    ("llama_f32", "llama.cpp", "f32 GGUF", "strata_fp32"),
+    ("hf_fp32", "transformers", "fp32", "strata_fp32"),
+    ("strata_int8", "**Strata**", "int8 (per row, fp32 activations)", None),
+    ("llama_q8_0", "llama.cpp", "q8_0 GGUF (blocks of 32)", "strata_int8"),
+    ("llama_f16", "llama.cpp", "f16 GGUF (vs Strata fp32)", "strata_fp32"),
+)
+
+
+def latency_table(shape_res: dict[str, dict]) -> str:
+    """Markdown table of one shape's batch-1 figures: rows from LATENCY_ROWS that were measured."""
+    rows = []
+    for key, engine, weights, vs in LATENCY_ROWS:
+        r = shape_res.get(key)
+        if not r:
+            continue
+        base = shape_res.get(vs) if vs else None
+        pre, dec = r.get("prefill_tps"), r.get("decode_tps")
+        rp = ratio(base.get("prefill_tps"), pre) if base else None
+        rd = ratio(base.get("decode_tps"), dec) if base else None
+        ms = 1e3 / dec if dec else None
+        rows.append([engine, weights, pre, dec, ms,
+                     fmt_ratio(rp) if vs else "", fmt_ratio(rd) if vs else "", fmt_cpu(r.get("others_cpu"))])
+    return md_table(["engine", "weights", "prefill tok/s", "decode tok/s", "decode ms/token",
+                     "Strata ÷ this, prefill", "Strata ÷ this, decode", "others' CPU"], rows)
+
+
+THROUGHPUT_ROWS = (
+    ("strata_offline", "**Strata**", "LLM.generate, continuous batching (`strata bench throughput`)", None),
+    ("hf_static", "transformers", "generate, static batches (`--compare hf`)", "strata_offline"),
+    ("strata_http", "**Strata**", "`strata serve` + `strata bench serve --request-rate inf`", None),
+)
+LLAMA_HTTP_HOW = "`llama-server -np N -cb` + `strata bench serve --request-rate inf`"
+
+
+def throughput_rows(tp: dict[str, Any]) -> list[tuple[str, str, str, str | None, dict]]:
+    """(key, engine, how, compared-with key, figures) for every measured throughput row:
+    THROUGHPUT_ROWS, then one llama-server row per slot count tried."""
+    out = [(k, e, h, vs, tp[k]) for k, e, h, vs in THROUGHPUT_ROWS if tp.get(k)]
+    best = (tp.get("llama_http") or {}).get("slots")
+    for r in tp.get("llama_http_runs") or ([tp["llama_http"]] if tp.get("llama_http") else []):
+        how = LLAMA_HTTP_HOW.replace("-np N", f"-np {r.get('slots', 'N')}")
+        if best is not None and r.get("slots") == best and len(tp.get("llama_http_runs") or []) > 1:
+            how += " (best slot count; used for serving)"
+        out.append((f"llama_http_np{r.get('slots')}", "llama.cpp", how, "strata_http", r))
+    return out
+
+
+def throughput_table(tp: dict[str, Any]) -> str:
+    rows = []
+    for key, engine, how, vs, r in throughput_rows(tp):
+        if key == "hf_static" and r.get("batch_size"):
+            how = how.replace("static batches", f"static batches of {r['batch_size']}")
+        base = tp.get(vs) if vs else None
+        rr = ratio(base.get("output_tps"), r.get("output_tps")) if base else None
+        rows.append([engine, how, r.get("requests"), r.get("elapsed_s"), r.get("rps"), r.get("output_tps"),
+                     r.get("total_tps"), r.get("short_outputs", "-"), fmt_ratio(rr) if vs else "",
+                     fmt_cpu(r.get("others_cpu"))])
+    return md_table(["engine", "how", "requests", "elapsed s", "req/s", "output tok/s", "total tok/s",
+                     "short outputs", "Strata ÷ this, output tok/s", "others' CPU"], rows)
+
+
+def serving_table(points: list[dict]) -> str:
+    """One row per (rate, engine), plus a Strata ÷ llama.cpp row per rate."""
+    rows = []
+    for p in points:
+        by = {}
+        for eng, label in (("strata", "**Strata**"), ("llama", "llama.cpp")):
+            r = p.get(eng)
+            if not r:
+                continue
+            by[eng] = r
+            good = r.get("goodput")
+            rows.append([f"{p['name']} ({p['rate']:g} req/s, {p['num_prompts']} req)", label,
+                         f"{r.get('completed')}/{p['num_prompts']}", r.get("rps"), r.get("output_tps"),
+                         (r.get("ttft_ms") or {}).get("p50"), (r.get("ttft_ms") or {}).get("p99"),
+                         (r.get("tpot_ms") or {}).get("p50"), (r.get("tpot_ms") or {}).get("p99"),
+                         good, f"{r.get('good_requests')}/{r.get('completed')}", fmt_cpu(r.get("others_cpu"))])
+        if len(by) == 2:
+            s, ll = by["strata"], by["llama"]
+
+            def rp(k: str, sub: str | None = None, s: dict = s, ll: dict = ll) -> str:
+                a = (s.get(k) or {}).get(sub) if sub else s.get(k)
+                b = (ll.get(k) or {}).get(sub) if sub else ll.get(k)
+                return fmt_ratio(ratio(a, b))
+
+            rows.append(["", "Strata ÷ llama.cpp", "", rp("rps"), rp("output_tps"), rp("ttft_ms", "p50"),
+                         rp("ttft_ms", "p99"), rp("tpot_ms", "p50"), rp("tpot_ms", "p99"), rp("goodput"), "", ""])
+    return md_table(["offered load", "engine", "done", "req/s", "output tok/s", "TTFT p50 ms",
+                     "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms", "goodput req/s", "within SLO",
+                     "others' CPU"], rows)
+
+
+def findings(res: dict) -> list[str]:
+    """Plain sentences: every comparison, Strata's losses first (rates: < 1x; latencies: > 1x)."""
+    losses, wins = [], []
+
+    def add(text: str, r: float | None, higher_better: bool = True) -> None:
+        if r is None:
+            return
+        bad = r < 1 if higher_better else r > 1
+        (losses if bad else wins).append(f"{text}: Strata ÷ peer = {r:.2f}x")
+
+    for shape, sr in (res.get("latency") or {}).items():
+        for key, engine, weights, vs in LATENCY_ROWS:
+            if vs and sr.get(key) and sr.get(vs):
+                for k, what in (("prefill_tps", "prefill tok/s"), ("decode_tps", "decode tok/s")):
+                    add(f"{shape} batch-1 {what}, {engine} {weights.split(' (')[0]}",
+                        ratio(sr[vs].get(k), sr[key].get(k)))
+    for shape, tp in (res.get("throughput") or {}).items():
+        for key, engine, _how, vs, r in throughput_rows(tp):
+            if vs and tp.get(vs):
+                what = f"llama-server -np {r.get('slots')}, HTTP" if key.startswith("llama") else engine
+                add(f"{shape} throughput (output tok/s) vs {what}", ratio(tp[vs].get("output_tps"), r.get("output_tps")))
+    for shape, sv in (res.get("serving") or {}).items():
+        for p in sv.get("points", []):
+            s, ll = p.get("strata"), p.get("llama")
+            if not (s and ll):
+                continue
+            tag = f"{shape} serving at {p['rate']:g} req/s ({p['name']})"
+            add(f"{tag}, TTFT p50 vs llama.cpp", ratio(s["ttft_ms"].get("p50"), ll["ttft_ms"].get("p50")),
+                higher_better=False)
+            add(f"{tag}, TPOT p50 vs llama.cpp", ratio(s["tpot_ms"].get("p50"), ll["tpot_ms"].get("p50")),
+                higher_better=False)
+            add(f"{tag}, goodput vs llama.cpp", ratio(s.get("goodput"), ll.get("goodput")))
+    return [f"Strata behind: {t}" for t in losses] + [f"Strata ahead or even: {t}" for t in wins]

@@ -1,0 +1,153 @@
+"""EngineArgs: the single home of every engine flag, its help text and model resolution.
+
+Each flag maps onto one EngineConfig field; its default is that field's default (written once, in
+strata/config.py) and is shown in the help. `add_cli_args` puts the flags on any argparse parser
+(generate, serve, bench, analyze); `EngineArgs.from_cli_args(args)` reads back only the flags that
+were given, and `create_engine_config()` resolves the model (an HF directory | `--random-model
+SHAPE` | the built-in demo model) and builds the validated EngineConfig, as vLLM's EngineArgs does.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from typing import Any
+
+from strata.config import EngineConfig, engine_default
+from strata.demo.random_models import SHAPES
+from strata.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class _Flag:
+    field: str  # EngineConfig field
+    help: str
+    flag: str = ""  # default: --field-name
+    type: Any = None
+    choices: tuple | None = None
+    kind: str = "value"  # value | true (store_true) | false (store_true, sets False) | bool (--x/--no-x)
+    default_text: str | None = None  # how to describe a None default
+
+    @property
+    def option(self) -> str:
+        return self.flag or "--" + self.field.replace("_", "-")
+
+    def help_text(self) -> str:
+        if self.kind in ("true", "false"):
+            return self.help
+        default = engine_default(self.field)
+        shown = self.default_text if default is None else default
+        return f"{self.help} (default: {shown})" if shown is not None else self.help
+
+
+FLAGS: tuple[_Flag, ...] = (
+    _Flag("dtype", "auto | float32 | bfloat16 | float16; auto picks the fastest measured on this device"),
+    _Flag("device", "cpu | cuda[:N]"),
+    _Flag("max_model_len", "longest sequence (prompt + output) in tokens", type=int,
+          default_text="the model's max_position_embeddings"),
+    _Flag("kv_cache_memory", "KV cache size, e.g. 2GiB", default_text="a fraction of free memory"),
+    _Flag("memory_fraction", "share of free memory for the KV cache when --kv-cache-memory is unset",
+          type=float),
+    _Flag("block_size", "tokens per KV block", type=int),
+    _Flag("max_num_seqs", "most sequences running at once", type=int),
+    _Flag("max_num_batched_tokens", "token budget of one step (prefill chunks + decodes)", type=int),
+    _Flag("num_threads", "compute threads", flag="--threads", type=int, default_text="physical cores"),
+    _Flag("attention_backend", "paged attention kernels: auto | torch | sdpa | cpu | triton",
+          choices=("auto", "torch", "sdpa", "cpu", "triton")),
+    _Flag("quantization", "weight-only quantisation of the dense projections at load", choices=("int8", "int4"),
+          default_text="none"),
+    _Flag("quantization_group_size", "int4: input columns sharing one scale", type=int, choices=(32, 64, 128)),
+    _Flag("enable_prefix_caching", "do not share cached KV blocks between requests with equal prompt prefixes",
+          flag="--no-prefix-caching", kind="false"),
+    _Flag("preemption_mode", "when KV blocks run out: recompute, swap to host memory, or auto (cost model)",
+          choices=("auto", "recompute", "swap")),
+    _Flag("swap_space", "host KV pool for swapping, e.g. 4GiB", default_text="size of the KV cache, <= 4GiB"),
+    _Flag("fuse", "run the step as an FX graph with fused ops (add+RMSNorm, SiLU*up, rotary q/k, KV write; "
+          "graph/fusion.py) (default: off; on CPU the eager step's hand-placed numba kernels measured "
+          "faster)", kind="bool"),
+    _Flag("compile", "torch.compile the decode step (the FX-traced, fused step; batch padded to buckets) "
+          "(default: off, eager)", kind="true"),
+    _Flag("cuda_graphs", "capture the decode step as CUDA graphs per batch bucket and replay it (CUDA only)",
+          kind="true"),
+)
+_BY_FIELD = {f.field: f for f in FLAGS}
+
+
+@dataclass
+class EngineArgs:
+    """The engine flags that differ from EngineConfig's defaults, and the model choice."""
+
+    model: str | None = None  # HF directory; None (and no random_model) = the built-in demo model
+    random_model: str | None = None  # a named random-weight shape (strata.demo.random_models.SHAPES)
+    overrides: dict[str, Any] = field(default_factory=dict)  # EngineConfig field -> value given
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser, title: str = "engine") -> None:
+        g = parser.add_argument_group(title)
+        g.add_argument("--model", default=None, help="HF model directory (default: the built-in demo model)")
+        g.add_argument(
+            "--random-model", default=None, choices=sorted(SHAPES), metavar="SHAPE",
+            help=f"random-weight checkpoint of a named shape ({', '.join(SHAPES)}), written once under "
+            "$STRATA_CACHE; excludes --model",
+        )
+        for f in FLAGS:  # argparse defaults are EngineConfig's, so args.<field> always holds a value
+            default = engine_default(f.field)
+            if f.kind == "value":
+                g.add_argument(f.option, dest=f.field, default=default, type=f.type, choices=f.choices,
+                               help=f.help_text())
+            elif f.kind == "bool":
+                g.add_argument(f.option, dest=f.field, default=default, action=argparse.BooleanOptionalAction,
+                               help=f.help_text())
+            else:
+                g.add_argument(f.option, dest=f.field, action="store_const", const=f.kind == "true",
+                               default=default, help=f.help_text())
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        given = {f.field: getattr(args, f.field) for f in FLAGS if hasattr(args, f.field)}
+        return cls(
+            model=getattr(args, "model", None), random_model=getattr(args, "random_model", None),
+            overrides={k: v for k, v in given.items() if v != engine_default(k)},
+        )
+
+    def get(self, name: str) -> Any:
+        """The value a flag resolves to: given, else EngineConfig's default."""
+        return self.overrides.get(name, engine_default(name))
+
+    def model_path(self) -> str | None:
+        """Checkpoint directory from --model / --random-model; None selects the demo model."""
+        if self.random_model is not None:
+            if self.model is not None:
+                raise ConfigError("give --model PATH or --random-model SHAPE, not both")
+            from strata.demo.random_models import random_model_path
+
+            return str(random_model_path(self.random_model))
+        return self.model
+
+    def config_kwargs(self, **overrides: Any) -> dict[str, Any]:
+        """EngineConfig keyword arguments (model excluded): the flags set, then `overrides`."""
+        return {**self.overrides, **overrides}
+
+    def all_kwargs(self) -> dict[str, Any]:
+        """Every flag's field with the value it resolves to (given, else the default)."""
+        return {f.field: self.get(f.field) for f in FLAGS}
+
+    def create_engine_config(self, **overrides: Any) -> EngineConfig:
+        return EngineConfig(model=self.model_path(), **self.config_kwargs(**overrides))
+
+    def to_cli(self) -> list[str]:
+        """The same flags as a command line (to start `strata serve` with them)."""
+        out = []
+        if self.random_model is not None:
+            out += ["--random-model", self.random_model]
+        if self.model is not None:
+            out += ["--model", self.model]
+        for name, value in self.overrides.items():
+            f = _BY_FIELD[name]
+            if f.kind == "value":
+                out += [f.option, str(value)]
+            elif f.kind == "bool":
+                out.append(f.option if value else "--no-" + f.option[2:])
+            elif value == (f.kind == "true"):
+                out.append(f.option)
+        return out

@@ -1,0 +1,246 @@
+"""build_engine(config): the engine's assembly as an ordered list of small steps.
+
+    open checkpoint -> load -> quantize -> KV memory -> fuse -> (shard) -> capture -> runner, scheduler
+
+Each step takes the pieces it needs and returns the pieces it makes or changes; none sees the
+engine (torchtitan's `parallelize` style). Tensor parallelism adds its shard step between fuse and
+capture. The engine (llm_engine.py) only runs steps over the parts built here.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from strata.config import DTYPES, EngineConfig
+from strata.engine.lifecycle import SequenceLifecycle
+from strata.engine.preemption import SwapPolicy
+from strata.engine.runner import ModelRunner
+from strata.engine.sampler import Sampler
+from strata.engine.scheduler import Scheduler
+from strata.errors import ModelLoadError
+from strata.graph.loader import check_model_dir, load_model
+from strata.hardware.placement import set_compute_threads
+from strata.kernels.attention import select_backend
+from strata.memory.blocks import BlockManager
+from strata.memory.kv_cache import allocate_kv_cache
+from strata.memory.planner import MemoryPlan, plan_memory
+from strata.memory.swap import HostBlockPool, KVSwapper
+from strata.model_config import ModelConfig
+from strata.text_table import fmt_bytes
+
+logger = logging.getLogger(__name__)
+
+
+# --- checkpoint ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Checkpoint:
+    """What the model directory says besides its weights."""
+
+    path: Path
+    model_config: ModelConfig
+    tokenizer: object | None  # engine.tokenizer.Tokenizer; None without tokenizer.json
+    eos_token_ids: list[int]
+    generation_defaults: dict  # sampling defaults from generation_config.json
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"{path}: cannot parse ({e})") from None
+
+
+def _generation_defaults(gen: dict) -> dict:
+    """Sampling defaults from generation_config.json, used where a request sets nothing."""
+    out = {k: gen[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty") if k in gen}
+    if gen.get("do_sample") is False:
+        out["temperature"] = 0.0  # HF semantics: greedy whatever the temperature says
+    if out.get("top_k") == 0:
+        out["top_k"] = -1  # HF's "disabled"
+    return out
+
+
+def open_checkpoint(model: str | None) -> Checkpoint:
+    """An HF model directory (None: the built-in demo model): config, tokenizer, EOS, defaults."""
+    if model is None:
+        from strata.demo.model import demo_model_path
+
+        path = demo_model_path()
+    else:
+        path = check_model_dir(model)
+    cfg = ModelConfig.from_file(path / "config.json")
+    tokenizer = None
+    if (path / "tokenizer.json").is_file():
+        from strata.engine.tokenizer import Tokenizer
+
+        tokenizer = Tokenizer.from_dir(path)
+    else:
+        logger.info("%s has no tokenizer.json: only token-id prompts will work", path)
+    gen = _read_json(path / "generation_config.json")
+    eos = gen.get("eos_token_id")
+    ids = [] if eos is None else (list(eos) if isinstance(eos, list) else [eos])
+    ids += cfg.eos_token_ids
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return Checkpoint(path, cfg, tokenizer, sorted({int(i) for i in ids}), _generation_defaults(gen))
+
+
+def resolve_dtype(name: str, device: str, checkpoint_dtype: torch.dtype) -> torch.dtype:
+    """auto: the fastest dtype measured on this device (hardware layer); else the one named."""
+    if name != "auto":
+        return DTYPES[name]
+    from strata.hardware.probe import auto_dtype
+
+    return auto_dtype(device, checkpoint_dtype)
+
+
+def resolve_max_model_len(cfg: ModelConfig, requested: int | None) -> int:
+    want = cfg.max_model_len(requested)
+    if want < (requested or cfg.max_position_embeddings):
+        logger.warning(
+            "max_model_len %d capped to the sliding window %d (sliding-window attention is "
+            "not implemented; within the window it is exact)", requested or cfg.max_position_embeddings, want,
+        )
+    return want
+
+
+# --- model ------------------------------------------------------------------------------------------
+
+
+def load(ckpt: Checkpoint, dtype: torch.dtype, device: str, max_model_len: int):
+    t0 = time.perf_counter()
+    model = load_model(ckpt.path, dtype, device, max_model_len)
+    logger.info("loaded %s (%s, %s) in %.2fs", ckpt.path, ckpt.model_config.architecture, dtype,
+                time.perf_counter() - t0)
+    return model
+
+
+def quantize(model, config: EngineConfig):
+    """Weight-only int8/int4, applied to the built model from outside."""
+    if config.quantization is None:
+        return model
+    from strata.memory.quant import quantize_model
+
+    t0 = time.perf_counter()
+    quantize_model(model, config.quantization, config.quantization_group_size)
+    logger.info("quantized to %s in %.2fs", config.quantization, time.perf_counter() - t0)
+    return model
+
+
+def fuse(model, config: EngineConfig):
+    """The step's forward: the model, or its FX-traced step with fused ops (--fuse)."""
+    if not config.fuse:
+        return model, None
+    from strata.graph.fusion import fuse_model
+
+    t0 = time.perf_counter()
+    fused = fuse_model(model)
+    logger.info("fusion: %s in %.2fs", fused.summary(), time.perf_counter() - t0)
+    return fused, fused
+
+
+def capture(model, forward, kv_caches, blocks: BlockManager, backend, config: EngineConfig, max_model_len: int):
+    """The decode step under torch.compile and/or CUDA graphs (None when neither is asked)."""
+    if not (config.compile or config.cuda_graphs):
+        return None
+    from strata.graph.capture import build_decode_capture
+
+    return build_decode_capture(
+        model, forward, kv_caches, backend=backend, scratch_block=blocks.scratch_block,
+        block_size=config.block_size, max_num_seqs=config.max_num_seqs, max_model_len=max_model_len,
+        device=config.device, compile=config.compile, cuda_graphs=config.cuda_graphs,
+    )
+
+
+# --- memory -----------------------------------------------------------------------------------------
+
+
+def host_pool(config: EngineConfig, plan: MemoryPlan, cfg: ModelConfig, dtype: torch.dtype) -> HostBlockPool | None:
+    """Swap space for preempted sequences (none in recompute mode)."""
+    if config.preemption_mode == "recompute":
+        return None
+    from strata.errors import ConfigError
+
+    per_block = plan.kv_bytes_per_token * config.block_size
+    size = config.swap_space if config.swap_space is not None else min(plan.kv_cache_bytes, 4 * 2**30)
+    blocks = size // per_block
+    if blocks == 0:
+        if config.preemption_mode == "swap":
+            raise ConfigError(f"swap_space: {size} bytes hold no {per_block}-byte KV block; raise it")
+        return None
+    logger.info("swap space: %s = %d host blocks", fmt_bytes(blocks * per_block), blocks)
+    return HostBlockPool(cfg, blocks, config.block_size, dtype, pin=config.device.startswith("cuda"))
+
+
+def kv_memory(config: EngineConfig, cfg: ModelConfig, dtype: torch.dtype, max_model_len: int):
+    """The memory plan, the block manager (device blocks, scratch block, host pool) and the KV
+    cache tensors it hands out."""
+    plan = plan_memory(
+        cfg, dtype, config.block_size, max_model_len, config.max_num_seqs, config.kv_cache_memory,
+        config.memory_fraction, config.device, config.quantization, config.quantization_group_size,
+    )
+    blocks = BlockManager(
+        plan.num_blocks, config.block_size, config.enable_prefix_caching,
+        scratch_block=config.compile or config.cuda_graphs,  # padded rows of a captured decode step
+        host_pool=host_pool(config, plan, cfg, dtype),
+    )
+    kv_caches = allocate_kv_cache(cfg, blocks.num_device_blocks, config.block_size, dtype, config.device)
+    logger.info(
+        "KV cache reserved: %s (%d blocks of %d tokens); prefix caching %s",
+        fmt_bytes(plan.kv_cache_bytes), plan.num_blocks, config.block_size,
+        "on" if config.enable_prefix_caching else "off",
+    )
+    return plan, blocks, kv_caches
+
+
+# --- the whole -------------------------------------------------------------------------------------
+
+
+@dataclass
+class EngineParts:
+    config: EngineConfig
+    threads: int
+    checkpoint: Checkpoint
+    dtype: torch.dtype
+    max_model_len: int
+    model: torch.nn.Module
+    plan: MemoryPlan
+    block_manager: BlockManager
+    kv_caches: list[torch.Tensor]
+    fusion: object | None  # graph.fusion.FusedStep with --fuse
+    runner: ModelRunner
+    scheduler: Scheduler
+    sampler: Sampler
+
+
+def build_engine(config: EngineConfig, detokenize: bool = True) -> EngineParts:
+    """detokenize=False: sequences carry token ids only; text and stop strings are the caller's."""
+    threads = set_compute_threads(config.num_threads)
+    ckpt = open_checkpoint(config.model)
+    cfg = ckpt.model_config
+    dtype = resolve_dtype(config.dtype, config.device, cfg.torch_dtype)
+    max_len = resolve_max_model_len(cfg, config.max_model_len)
+    model = quantize(load(ckpt, dtype, config.device, max_len), config)
+    plan, blocks, kv_caches = kv_memory(config, cfg, dtype, max_len)
+    backend = select_backend(config.attention_backend, config.device, dtype)
+    forward, fusion = fuse(model, config)
+    decode_step = capture(model, forward, kv_caches, blocks, backend, config, max_len)
+    swapper = KVSwapper(kv_caches, blocks.host) if blocks.host is not None else None
+    runner = ModelRunner(model, kv_caches, config.block_size, config.device, backend,
+                         forward=forward, decode_step=decode_step, swapper=swapper)
+    lifecycle = SequenceLifecycle(ckpt.eos_token_ids, max_len, ckpt.tokenizer if detokenize else None)
+    prefer_swap = SwapPolicy(config, plan, dtype, cfg)
+    scheduler = Scheduler(blocks, config.max_num_seqs, config.max_num_batched_tokens, prefer_swap, lifecycle)
+    sampler = Sampler(cfg.vocab_size, ckpt.eos_token_ids, config.seed)
+    return EngineParts(config, threads, ckpt, dtype, max_len, model, plan, blocks, kv_caches, fusion,
+                       runner, scheduler, sampler)

@@ -1,0 +1,101 @@
+"""The pieces every attention backend shares: prefill spans, the KV-cache write and gather, the math.
+
+KV cache per layer: a tensor [2, num_blocks, block_size, num_kv_heads, head_dim]. Tokens of a
+step arrive flattened ([T, heads, head_dim]): prefill chunks first, then one token per decode.
+Grouped-query attention never copies K/V per query head: the query heads sharing a KV head are
+laid out as extra query rows of that KV head.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+# attend(q, k, v, mask, causal, scale): q [..., kvh, rows, d], k/v [..., kvh, L, d], mask
+# broadcastable to [..., kvh, rows, L] (True = attend) or None
+AttendFn = Callable[..., torch.Tensor]
+
+
+@dataclass
+class PrefillSpan:
+    """One sequence's prefill chunk: tokens [start, end) of the step, after `context_len` cached."""
+
+    start: int
+    end: int
+    context_len: int
+    block_table: torch.Tensor  # [num_blocks] long, covering context_len + (end - start) tokens
+    mask: torch.Tensor | None  # [n, context_len + n] bool, True = attend; None = plain causal
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    """Store this step's keys and values [T, kv_heads, head_dim] at their cache slots."""
+    kv_heads, head_dim = k.shape[-2:]
+    kv_cache[0].view(-1, kv_heads, head_dim).index_copy_(0, slots, k)
+    kv_cache[1].view(-1, kv_heads, head_dim).index_copy_(0, slots, v)
+
+
+def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of the blocks in `block_table` ([..., nb]) as [..., nb * block_size, kvh, d]."""
+    # one gather for K and V; index_select, because advanced indexing is ~100x slower on CPU here
+    kv = kv_cache.index_select(1, block_table.reshape(-1))
+    shape = (2, *block_table.shape[:-1], -1, *kv.shape[-2:])
+    kv = kv.view(shape)
+    return kv[0], kv[1]
+
+
+def sdpa_attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool, scale: float,
+) -> torch.Tensor:
+    """torch.nn.functional.scaled_dot_product_attention (see AttendFn for the shapes)."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
+
+
+def reference_attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool, scale: float,
+) -> torch.Tensor:
+    """The reference math: explicit matmul + softmax in fp32, cast back to q's dtype."""
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if causal:
+        rows, cols = scores.shape[-2:]
+        mask = torch.ones(rows, cols, dtype=torch.bool, device=q.device).tril(cols - rows)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(-1), v.float()).to(q.dtype)
+
+
+def prefill_span(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, span: PrefillSpan,
+    scale: float, attend: AttendFn,
+) -> torch.Tensor:
+    """One prefill chunk: its queries over its own new k/v (fresh prompt) or over the cached context
+    plus the chunk (gathered from the blocks); returns [n, heads * head_dim]."""
+    n = span.end - span.start
+    kv_heads = k.shape[1]
+    group = q.shape[1] // kv_heads
+    qs = q[span.start : span.end].view(n, kv_heads, group, -1).permute(1, 2, 0, 3)
+    if span.context_len == 0:
+        ks, vs = k[span.start : span.end], v[span.start : span.end]
+    else:
+        ks, vs = gather_kv(kv_cache, span.block_table)
+        ks, vs = ks[: span.context_len + n], vs[: span.context_len + n]
+    ks = ks.transpose(0, 1).unsqueeze(1).expand(-1, group, -1, -1)
+    vs = vs.transpose(0, 1).unsqueeze(1).expand(-1, group, -1, -1)
+    out = attend(qs, ks, vs, span.mask, span.mask is None, scale)  # [kvh, g, n, d]
+    return out.permute(2, 0, 1, 3).reshape(n, -1)
+
+
+def gathered_decode(
+    q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, mask: torch.Tensor | None,
+    scale: float, attend: AttendFn,
+) -> torch.Tensor:
+    """Decode by gathering every sequence's blocks into a padded copy and attending over it with
+    the padding mask [B, 1, 1, max_blocks * block_size]; returns [B, heads * head_dim]."""
+    b, heads, head_dim = q.shape
+    kv_heads = kv_cache.shape[-2]
+    qd = q.view(b, kv_heads, heads // kv_heads, head_dim)
+    ks, vs = gather_kv(kv_cache, block_tables)  # [B, L, kvh, d]
+    out = attend(qd, ks.transpose(1, 2), vs.transpose(1, 2), mask, False, scale)
+    return out.reshape(b, heads * head_dim)

@@ -1,0 +1,27 @@
+"""The "triton" backend: decodes through the split-K Triton kernel of
+kernels/triton/paged_attention.py on CUDA (its torch twin elsewhere), imported only when used, so
+CPU runs never import triton; reads context lengths, no padding mask. Prefill chunks use SDPA."""
+
+from __future__ import annotations
+
+import torch
+
+from strata.kernels.attention.base import AttentionBackend
+
+
+class TritonBackend(AttentionBackend):
+    name = "triton"
+    uses_decode_mask = False
+
+    def unavailable(self, device: str, dtype: torch.dtype | None = None) -> str | None:
+        reason = "needs a CUDA device and triton (pip install 'strata[triton]')"
+        if not str(device).startswith("cuda"):
+            return reason
+        from strata.kernels.triton import available
+
+        return None if available() else reason
+
+    def decode(self, q, kv_cache, block_tables, context_lens, mask, scale) -> torch.Tensor:
+        from strata.kernels.triton.paged_attention import paged_decode_attention  # lazy: see above
+
+        return paged_decode_attention(q, kv_cache, block_tables, context_lens, scale)

@@ -1,0 +1,230 @@
+"""The OpenAI routes: /v1/models, /v1/completions and /v1/chat/completions.
+
+Each generation route only reads and validates its body and builds its prompts (chat renders the
+template); the rest is `generation_http.generate`. The endpoints' differing output layouts are
+the two `ResponseShape`s below.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+from fastapi import APIRouter, Request
+from fastapi.exceptions import RequestValidationError
+
+from strata.errors import RequestError
+from strata.server import faults
+from strata.server.generation import ChoiceDelta, check_length
+from strata.server.generation_http import Submission, generate
+from strata.server.openai_api import (
+    ChatRequest,
+    CompletionRequest,
+    chat_logprobs,
+    chat_messages,
+    completion_logprobs,
+    sampling_params,
+)
+from strata.server.responses import CompletionLogprobs, chat_chunk, completion_chunk
+from strata.server.responses import chat_logprobs as format_chat_logprobs
+from strata.server.state import ServerState, server_state
+
+router = APIRouter()
+
+
+class BodyTooLarge(Exception):
+    """The body outgrew --max-request-bytes while being read (no or a false Content-Length); 413."""
+
+
+@router.get("/v1/models")
+async def models(request: Request):
+    state = server_state(request)
+    return {"object": "list", "data": [{
+        "id": state.options.served_model_name, "object": "model", "created": int(time.time()), "owned_by": "strata",
+        "max_model_len": state.info.get("max_model_len"),
+    }]}
+
+
+@router.post("/v1/completions")
+async def completions(request: Request):
+    state = server_state(request)
+    req = parse(CompletionRequest, await read_body(request, state.options.max_request_bytes))
+    return await generate(request, state, req, lambda: prepare_completion(state, req))
+
+
+@router.post("/v1/chat/completions")
+async def chat(request: Request):
+    state = server_state(request)
+    req = parse(ChatRequest, await read_body(request, state.options.max_request_bytes))
+    return await generate(request, state, req, lambda: prepare_chat(state, req))
+
+
+# --- request bodies ------------------------------------------------------------------------------
+async def read_body(request: Request, limit: int) -> dict:
+    """The JSON object body, read with the size limit enforced as it arrives."""
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise BodyTooLarge()
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise RequestError(f"request body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise RequestError("request body must be a JSON object")
+    return data
+
+
+def parse(model_cls, data: dict):
+    """Validate as FastAPI would, so a bad field gets the same 400 as a bad body of a typed route."""
+    try:
+        return model_cls.model_validate(data)
+    except Exception as e:  # pydantic.ValidationError -> FastAPI's handler shape
+        if hasattr(e, "errors"):
+            raise RequestValidationError(e.errors()) from None
+        raise
+
+
+def _planted_fault() -> RuntimeError:
+    return RuntimeError("planted fault (STRATA_TEST_FAULTS raise_on)")
+
+
+# --- prompts -------------------------------------------------------------------------------------
+async def prepare_completion(state: ServerState, req: CompletionRequest) -> Submission:
+    texts, prompts, secs = await completion_prompts(state, req)
+    for t in texts:
+        if t is not None and faults.should_raise(t):
+            raise _planted_fault()
+    params = sampling_params(req, state.info.get("generation_defaults", {}), completion_logprobs(req), req.max_tokens)
+    params.validate(0, state.info["vocab_size"])
+    for i, ids in enumerate(prompts):
+        check_length(ids, params.max_tokens, state.info["max_model_len"], i)
+    return Submission(prompts, params, secs, CompletionShape(req, state.tokenizer, prompts, texts))
+
+
+async def completion_prompts(state: ServerState, req: CompletionRequest):
+    """(texts, token ids, tokenize seconds) per prompt; text is None for a prompt given as ids."""
+    p = req.prompt
+    if isinstance(p, str):
+        items: list = [p]
+    elif p and all(isinstance(x, int) for x in p):
+        items = [p]
+    else:
+        items = list(p)
+    if not items:
+        raise RequestError("prompt is empty; give text or token ids", param="prompt")
+    vocab = state.info["vocab_size"]
+    texts, prompts, secs = [], [], 0.0
+    results = await asyncio.gather(*[
+        state.tokenizers.run({"kind": "text", "text": x}) for x in items if isinstance(x, str)
+    ])
+    it = iter(results)
+    for x in items:
+        if isinstance(x, str):
+            ids, s = next(it)
+            texts.append(x)
+            secs += s
+        else:
+            if any(t < 0 or t >= vocab for t in x):
+                raise RequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
+            ids = list(x)
+            texts.append(None)
+        prompts.append(ids)
+    return texts, prompts, secs
+
+
+async def prepare_chat(state: ServerState, req: ChatRequest) -> Submission:
+    messages = chat_messages(req)
+    if any(faults.should_raise(str(m.get("content", ""))) for m in messages):
+        raise _planted_fault()
+    ids, secs = await state.tokenizers.run({"kind": "chat", "messages": messages})
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    params = sampling_params(req, state.info.get("generation_defaults", {}), chat_logprobs(req), max_tokens)
+    params.validate(0, state.info["vocab_size"])
+    if params.max_tokens is None:  # chat default: the rest of the context
+        params.max_tokens = max(1, state.info["max_model_len"] - len(ids))
+    check_length(ids, params.max_tokens, state.info["max_model_len"])
+    return Submission([ids], params, secs, ChatShape(req, state.tokenizer))
+
+
+# --- response shapes -----------------------------------------------------------------------------
+class CompletionShape:
+    """`text` choices, the prompt in front when `echo`, legacy logprobs (merged when not streaming)."""
+
+    id_prefix = "cmpl-"
+    object_name = "text_completion"
+
+    def __init__(self, req: CompletionRequest, tokenizer, prompts: list[list[int]], texts: list[str | None]) -> None:
+        self.req, self.tok, self.prompts, self.texts = req, tokenizer, prompts, texts
+        self.num_top = req.logprobs or 0
+        self.writers: dict[int, CompletionLogprobs] = {}  # per choice: its running text offset
+        self.parts: dict[int, list[dict]] = {}
+        self.started: set[int] = set()
+
+    def chunk(self, rid, model, created, choices, usage_=None):
+        return completion_chunk(rid, model, created, choices, usage_)
+
+    def _prompt_text(self, p: int) -> str:
+        return self.texts[p] if self.texts[p] is not None else self.tok.decode(self.prompts[p])
+
+    def _logprobs(self, d: ChoiceDelta) -> dict:
+        w = self.writers.setdefault(d.index, CompletionLogprobs(self.tok))
+        return w.add(d.token_ids, d.logprobs, self.num_top)
+
+    def stream_choice(self, d: ChoiceDelta) -> dict:
+        text = d.text
+        if self.req.echo and d.index not in self.started:
+            text = self._prompt_text(d.index // self.req.n) + text
+        self.started.add(d.index)
+        lp = self._logprobs(d) if d.logprobs is not None else None
+        return {"index": d.index, "text": text, "logprobs": lp, "finish_reason": d.finish_reason}
+
+    def keep_logprobs(self, d: ChoiceDelta) -> None:
+        if d.logprobs is not None:
+            self.parts.setdefault(d.index, []).append(self._logprobs(d))
+
+    def choice(self, index: int, text: str, finish_reason: str | None) -> dict:
+        if self.req.echo:
+            text = self._prompt_text(index // self.req.n) + text
+        lp = CompletionLogprobs.merge(self.parts.get(index, [])) if self.req.logprobs is not None else None
+        return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason}
+
+
+class ChatShape:
+    """`delta` choices (role first) when streaming, `message` choices otherwise; chat logprobs."""
+
+    id_prefix = "chatcmpl-"
+    object_name = "chat.completion"
+
+    def __init__(self, req: ChatRequest, tokenizer) -> None:
+        self.req, self.tok = req, tokenizer
+        self.num_top = req.top_logprobs or 0
+        self.content: dict[int, list[dict]] = {}
+        self.started: set[int] = set()
+
+    def chunk(self, rid, model, created, choices, usage_=None):
+        return chat_chunk(rid, model, created, choices, usage_)
+
+    def _logprobs(self, d: ChoiceDelta) -> list[dict]:
+        return format_chat_logprobs(self.tok, d.token_ids, d.logprobs, self.num_top)
+
+    def stream_choice(self, d: ChoiceDelta) -> dict:
+        delta: dict = {}
+        if d.index not in self.started:
+            delta["role"] = "assistant"
+            self.started.add(d.index)
+        if d.text or "role" in delta:
+            delta["content"] = d.text
+        lp = {"content": self._logprobs(d)} if d.logprobs is not None and self.req.logprobs else None
+        return {"index": d.index, "delta": delta, "logprobs": lp, "finish_reason": d.finish_reason}
+
+    def keep_logprobs(self, d: ChoiceDelta) -> None:
+        if d.logprobs is not None:
+            self.content.setdefault(d.index, []).extend(self._logprobs(d))
+
+    def choice(self, index: int, text: str, finish_reason: str | None) -> dict:
+        lp = {"content": self.content.get(index, [])} if self.req.logprobs else None
+        return {"index": index, "message": {"role": "assistant", "content": text},
+                "logprobs": lp, "finish_reason": finish_reason}
