@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import logging
 
-import numpy as np
 import torch
 from torch import nn
 
 from strata.kernels import quant_formats
 from strata.kernels.linear import quant_linear, quant_swiglu
+from strata.memory.arena import arena_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +135,7 @@ class QuantEmbedding(nn.Module):
 
 
 def _to_arena(model: nn.Module, align: int = 64) -> None:
-    """Copy every parameter and persistent buffer into one fresh numpy-allocated arena."""
+    """Copy every parameter and persistent buffer into one fresh arena (memory/arena.py)."""
     tensors: list[tuple[nn.Module, str, torch.Tensor, bool]] = []
     seen: set[int] = set()
     for module in model.modules():
@@ -151,16 +151,11 @@ def _to_arena(model: nn.Module, align: int = 64) -> None:
             unique.append(t)
     if any(t.device.type != "cpu" for t in unique):
         return
-    sizes = [-(-t.numel() * t.element_size() // align) * align for t in unique]
-    arena = torch.from_numpy(np.empty(sum(sizes) + align, dtype=np.uint8))
-    offset = (-arena.data_ptr()) % align
+    views = arena_tensors([(t.shape, t.dtype) for t in unique], align)
     moved: dict[int, torch.Tensor] = {}
-    for t, size in zip(unique, sizes):
-        nbytes = t.numel() * t.element_size()
-        view = arena[offset : offset + nbytes].view(t.dtype).view(t.shape)
+    for t, view in zip(unique, views):
         view.copy_(t)
         moved[id(t)] = view
-        offset += size
     for module, name, t, is_param in tensors:
         new = moved[id(t)]
         if is_param:
