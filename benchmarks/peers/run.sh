@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Peer benchmarks in one run: Strata vs llama.cpp vs transformers (logic in peers.py, next to this).
+# Peer benchmarks in one run: Strata vs llama.cpp vs transformers (entry point peers.py, next to this;
+# the logic in the modules beside it: pipeline, build, convert, parts, report, ...).
 #
 #   benchmarks/peers/run.sh                      # prepare (cached) + all parts, ~30-40 min on 2 cores
 #   benchmarks/peers/run.sh --quick              # smoke run; report under the cache, not docs/
