@@ -24,15 +24,17 @@ def cache_root() -> Path:
     env = os.environ.get("STRATA_CACHE")
     return Path(env).expanduser() if env else Path.home() / ".cache" / "strata"
 
-_SIZE_UNITS = {
-    "": 1, "b": 1,
-    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+_PREFIXES = {"k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
+# every decimal (kB = 1000) and binary (KiB = 1024) unit, any case; a bare prefix is decimal
+_SIZE_UNITS = {"": 1, "b": 1} | {
+    unit: base**power
+    for p, power in _PREFIXES.items()
+    for unit, base in ((p, 1000), (p + "b", 1000), (p + "i", 1024), (p + "ib", 1024))
 }
 
 
 def parse_bytes(value: int | float | str, field: str) -> int:
-    """Parse 4096, "512MiB", "4GiB", "1.5GB" into bytes."""
+    """Parse 4096, "512MiB", "4GiB", "1.5GB", "1TB", "2Ti" into bytes."""
     if isinstance(value, bool):
         raise ConfigError(f"{field}: expected bytes (int) or a size such as '4GiB', got {value!r}")
     if isinstance(value, int | float):
@@ -69,7 +71,7 @@ class EngineConfig:
     quantization: str | None = None  # None | int8 | int4: weight-only, quantised at load
     quantization_group_size: int = 64  # int4: input columns per scale (32 | 64 | 128)
     preemption_mode: str = "auto"  # auto (cost model) | recompute | swap
-    swap_space: int | str | None = None  # host KV pool; None = as big as the device KV cache, <= 4GiB
+    swap_space: int | str | None = None  # host KV pool; None = as big as the device KV cache, <= 1GiB
     seed: int = 0
     enable_prefix_caching: bool = True  # share cached KV blocks of equal prompt prefixes
     # graph/fusion.py FX fusion passes for the eager step; None = auto (off: see docs/design-notes.md)

@@ -45,7 +45,9 @@ FLAGS: tuple[_Flag, ...] = (
     _Flag("device", "cpu | cuda[:N]"),
     _Flag("max_model_len", "longest sequence (prompt + output) in tokens", type=int,
           default_text="the model's max_position_embeddings"),
-    _Flag("kv_cache_memory", "KV cache size, e.g. 2GiB", default_text="a fraction of free memory"),
+    _Flag("kv_cache_memory", "KV cache size, e.g. 2GiB",
+          default_text="what max_num_seqs x max_model_len can use, capped at --memory-fraction of available "
+          "memory; pages become resident only as blocks are used"),
     _Flag("memory_fraction", "share of free memory for the KV cache when --kv-cache-memory is unset",
           type=float),
     _Flag("block_size", "tokens per KV block", type=int),
@@ -61,7 +63,7 @@ FLAGS: tuple[_Flag, ...] = (
           flag="--no-prefix-caching", kind="false"),
     _Flag("preemption_mode", "when KV blocks run out: recompute, swap to host memory, or auto (cost model)",
           choices=("auto", "recompute", "swap")),
-    _Flag("swap_space", "host KV pool for swapping, e.g. 4GiB", default_text="size of the KV cache, <= 4GiB"),
+    _Flag("swap_space", "host KV pool for swapping, e.g. 4GiB", default_text="size of the KV cache, <= 1GiB"),
     _Flag("fuse", "run the step as an FX graph with fused ops (add+RMSNorm, SiLU*up, rotary q/k, KV write; "
           "graph/fusion.py) (default: off; on CPU the eager step's hand-placed numba kernels measured "
           "faster)", kind="bool"),

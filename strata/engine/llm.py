@@ -26,6 +26,16 @@ class LLM:
         self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
         self._counter = 0
 
+    def close(self) -> None:
+        """Free the model, KV cache and swap space now; dropping the last reference does the same."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def get_default_sampling_params(self) -> SamplingParams:
         """The checkpoint's generation_config.json defaults (temperature, top_p, top_k, ...)."""
         return self.engine.default_sampling_params()

@@ -39,6 +39,23 @@ class LLMEngine:
         self.num_steps = 0
         self.stage_seconds = {"schedule": 0.0, "forward": 0.0, "sample": 0.0}  # cumulative, per step phase
 
+    def close(self) -> None:
+        """Free the model, the KV cache and the swap space now (requests in flight are aborted);
+        the engine refuses work afterwards. Dropping the last reference frees the same."""
+        if self.runner is None:
+            return
+        for rid in list(self.requests):
+            self.abort(rid)
+        if self.runner.swapper is not None:
+            self.runner.swapper.close()
+        self.model = self.kv_caches = self.runner = self.scheduler = self.sampler = self.fusion = None
+        self.block_manager = self.last_schedule = None
+        self.step_observers = []
+
+    def _check_open(self) -> None:
+        if self.runner is None:
+            raise RequestError("this engine was closed (LLM.close() / the end of `with LLM(...)`); build a new one")
+
     @property
     def scratch_block(self) -> int | None:
         """The device block padded rows of a captured decode step write to (block manager's)."""
@@ -47,7 +64,7 @@ class LLMEngine:
     @property
     def host_pool(self):
         """The swap space's host blocks (owned by the block manager); None in recompute mode."""
-        return self.block_manager.host
+        return None if self.block_manager is None else self.block_manager.host
 
     def default_sampling_params(self, **overrides) -> SamplingParams:
         """SamplingParams with the checkpoint's generation_config.json defaults, then `overrides`."""
@@ -95,6 +112,7 @@ class LLMEngine:
     def add_request(
         self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams
     ) -> Request:
+        self._check_open()
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
         req = Request(request_id, prompt, list(prompt_ids), params)
@@ -127,6 +145,7 @@ class LLMEngine:
     # --- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """schedule -> execute -> sample -> update; outputs for the requests that advanced."""
+        self._check_open()
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         self.last_schedule = out  # for observers (the analyzer classifies steps by it)

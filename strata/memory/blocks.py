@@ -223,7 +223,7 @@ class BlockManager:
                 if self._hash[b] is not None:
                     self._cached[b] = None
                 else:
-                    self._free.append(b)
+                    self._free.appendleft(b)  # reused first: pages already resident (kv_cache.py)
             elif self._refs[b] < 0:
                 raise RuntimeError(f"block {b} freed more often than owned")
         seq.block_table.clear()

@@ -101,6 +101,15 @@ def plan_memory(
     per_token = kv_bytes_per_token(cfg, dtype)
     per_block = per_token * block_size
     if kv_cache_memory is not None:
+        free = free_memory(device)
+        if kv_cache_memory > free:
+            raise CapacityError(
+                f"kv_cache_memory: {fmt_bytes(kv_cache_memory)} asked, but only {fmt_bytes(free)} of "
+                f"{'device' if device.startswith('cuda') else 'host'} memory is available after loading the "
+                f"weights ({fmt_bytes(weight_bytes(cfg, dtype, quantization, group_size))}); lower "
+                "--kv-cache-memory, or leave it unset (the default sizes the cache from max_num_seqs x "
+                f"max_model_len, capped at {memory_fraction:.0%} of available memory)"
+            )
         budget, source = kv_cache_memory, "kv_cache_memory"
     else:
         free = free_memory(device)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from strata.memory.kv_cache import kv_cache_shape
+from strata.memory.kv_cache import kv_cache_shape, untouched_zeros
 from strata.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -31,7 +31,7 @@ class HostBlockPool:
         self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, pin: bool
     ) -> None:
         shape = kv_cache_shape(cfg, num_blocks, block_size)
-        self.caches = [torch.zeros(shape, dtype=dtype, pin_memory=pin) for _ in range(cfg.num_layers)]
+        self.caches = [untouched_zeros(shape, dtype, pin=pin) for _ in range(cfg.num_layers)]
         self.num_blocks = num_blocks
         self._free: deque[int] = deque(range(num_blocks))
 
@@ -45,7 +45,7 @@ class HostBlockPool:
         return [self._free.popleft() for _ in range(n)]
 
     def free(self, blocks: list[int]) -> None:
-        self._free.extend(blocks)
+        self._free.extendleft(blocks)  # reused first: their pages are already resident
 
 
 def _copy(src_caches, dst_caches, src: list[int], dst: list[int], non_blocking: bool) -> None:
