@@ -1,8 +1,17 @@
-"""ModelConfig: the parts of an HF config.json that the decoder families need."""
+"""ModelConfig: the parts of an HF config.json that the decoder families need.
+
+config.json is untrusted input. Every field Strata reads is checked once, here, against a small
+declarative schema (SCHEMA, ROPE_SCHEMAS: type, range, default) and the decoder's cross-field
+rules (query heads in whole groups per KV head, hidden_size = heads x head_dim unless head_dim is
+given, an even head_dim for rotary, token ids inside the vocabulary). A bad value is a
+ModelLoadError naming the file, the field, the value and what is accepted. Fields Strata does not
+read are ignored: real configs carry many.
+"""
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -11,6 +20,7 @@ import torch
 
 from strata.config import DTYPES
 from strata.errors import ConfigError, ModelLoadError
+from strata.text_table import fmt_bytes
 
 # architecture -> family flags; every family is a Llama-shaped decoder with small differences.
 SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool]] = {
@@ -20,6 +30,208 @@ SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool]] = {
     "Qwen3ForCausalLM": {"qkv_bias": False, "qk_norm": True},
 }
 
+REQUIRED = object()  # Field.default: the field must be present and not null
+MAX_CONFIG_BYTES = 16 * 2**20  # a model's config.json is a few KiB; refuse to parse anything huge
+
+
+@dataclass(frozen=True)
+class Field:
+    """One config.json field: its JSON type, accepted range and default.
+
+    kind: int (strict: true/false and 255.5 are not integers), float (integers accepted; finite),
+    bool or str. lo/hi: inclusive bounds unless lo_open/hi_open; a bound may be the name of a
+    field read before it (e.g. "vocab_size"). default: REQUIRED, or the value an absent or null
+    field takes. many: an integer or a list of integers (token ids). choices: the accepted strings.
+    """
+
+    kind: type
+    lo: float | str | None = None
+    hi: float | str | None = None
+    default: Any = REQUIRED
+    lo_open: bool = False
+    hi_open: bool = False
+    many: bool = False
+    choices: tuple[str, ...] = ()
+
+
+_SIZE = 2**24  # upper bound of lengths and vocabularies: far above any released model, below overflow
+
+# The fields Strata reads. The bounds are sanity limits well above every released model of these
+# families (whether the weights fit in memory is checked when loading, graph/loader.py).
+SCHEMA: dict[str, Field] = {
+    "hidden_size": Field(int, 1, 2**17),
+    "intermediate_size": Field(int, 1, 2**20),
+    "num_hidden_layers": Field(int, 1, 1024),
+    "num_attention_heads": Field(int, 1, 1024),
+    "num_key_value_heads": Field(int, 1, "num_attention_heads", default=None),  # None: = attention heads
+    "head_dim": Field(int, 2, 1024, default=None),  # None: hidden_size / num_attention_heads
+    "vocab_size": Field(int, 1, _SIZE),
+    "max_position_embeddings": Field(int, 1, _SIZE, default=2048),
+    "rms_norm_eps": Field(float, 0, 1, default=1e-6, lo_open=True),
+    "rope_theta": Field(float, 1, default=None, lo_open=True),  # None: rope_parameters', else 10000
+    "tie_word_embeddings": Field(bool, default=False),
+    "attention_bias": Field(bool, default=False),
+    "mlp_bias": Field(bool, default=False),
+    "use_sliding_window": Field(bool, default=False),  # read for Qwen only
+    "sliding_window": Field(int, 1, _SIZE, default=None),  # None: full attention
+    "bos_token_id": Field(int, 0, "vocab_size", default=None, hi_open=True, many=True),
+    "eos_token_id": Field(int, 0, "vocab_size", default=None, hi_open=True, many=True),
+    "torch_dtype": Field(str, default=None),  # unknown names: float32, as before
+    "dtype": Field(str, default=None),  # transformers >= 5 writes `dtype`
+}
+
+# rope_parameters (transformers >= 5) or rope_scaling: the fields of each rope type Strata
+# implements (graph/layers.py: RotaryEmbedding, _llama3_inv_freq)
+ROPE_TYPE = Field(str, default="default", choices=("default", "linear", "llama3"))
+ROPE_SCHEMAS: dict[str, dict[str, Field]] = {
+    "default": {},
+    "linear": {"factor": Field(float, 1)},
+    "llama3": {
+        "factor": Field(float, 1),
+        "low_freq_factor": Field(float, 0, default=1.0, lo_open=True),
+        "high_freq_factor": Field(float, "low_freq_factor", default=4.0, lo_open=True),
+        "original_max_position_embeddings": Field(int, 1, _SIZE),
+    },
+}
+
+
+def _show(value: Any) -> str:
+    """A value as config.json spells it (JSON), cut short."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):  # not JSON (from_dict of a Python dict), or an int too long to print
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+class _Reader:
+    """Reads one JSON object's fields through a schema table, checking each on first read; the
+    values read so far resolve bounds that name another field."""
+
+    def __init__(self, d: dict[str, Any], source: str, schema: dict[str, Field], prefix: str = "") -> None:
+        self.d, self.source, self.schema, self.prefix = d, source, schema, prefix
+        self.values: dict[str, Any] = {}
+
+    def error(self, name: str, value: Any, problem: str, f: Field) -> ModelLoadError:
+        return ModelLoadError(
+            f"{self.source}: {self.prefix}{name} = {_show(value)} {problem}; expected {self.accepted(f)}"
+        )
+
+    def _bound(self, b: float | str) -> tuple[float, str]:
+        if isinstance(b, str):
+            return self.values[b], f"{self.prefix}{b}={self.values[b]}"
+        return b, f"{b:g}" if isinstance(b, float) else str(b)
+
+    def accepted(self, f: Field) -> str:
+        if f.kind is bool:
+            text = "true or false"
+        elif f.kind is str:
+            text = ("one of " + ", ".join(f.choices)) if f.choices else "a string"
+        else:
+            noun = "an integer" if f.kind is int else "a number"
+            lo = self._bound(f.lo)[1] if f.lo is not None else None
+            hi = self._bound(f.hi)[1] if f.hi is not None else None
+            if lo is not None and hi is not None:
+                text = f"{noun} in {'(' if f.lo_open else '['}{lo}, {hi}{')' if f.hi_open else ']'}"
+            elif lo is not None:
+                text = f"{noun} {'>' if f.lo_open else '>='} {lo}"
+            else:
+                text = noun
+            if f.many:
+                text = f"{noun} or a list of integers, each in {text.removeprefix(noun + ' in ')}"
+        if f.default is not REQUIRED:
+            text += " (or null)"
+        return text
+
+    def get(self, name: str) -> Any:
+        f = self.schema[name]
+        raw = self.d.get(name)
+        if raw is None:
+            if f.default is REQUIRED:
+                problem = "is null" if name in self.d else "is missing"
+                raise ModelLoadError(f"{self.source}: {self.prefix}{name} {problem}; expected {self.accepted(f)}")
+            value = f.default
+        elif f.many and isinstance(raw, list):
+            value = [self._check(f"{name}[{i}]", x, f) for i, x in enumerate(raw)]
+        else:
+            value = self._check(name, raw, f)
+            value = [value] if f.many else value
+        self.values[name] = value
+        return value
+
+    def _check(self, name: str, x: Any, f: Field) -> Any:
+        shown = x  # as written in the file (x may become a float below)
+        if f.kind is bool or f.kind is str:
+            if not isinstance(x, f.kind):
+                raise self.error(name, shown, "is not " + ("true or false" if f.kind is bool else "a string"), f)
+            if f.choices and x not in f.choices:
+                raise self.error(name, shown, "is not supported", f)
+            return x
+        if isinstance(x, bool) or not isinstance(x, (int, float)) or (f.kind is int and not isinstance(x, int)):
+            raise self.error(name, shown, f"is not {'an integer' if f.kind is int else 'a number'}", f)
+        if f.kind is float:
+            try:
+                x = float(x)
+            except OverflowError:
+                x = math.inf
+            if not math.isfinite(x):
+                raise self.error(name, shown, "is not finite", f)
+        if f.lo is not None:
+            lo = self._bound(f.lo)[0]
+            if x < lo or (f.lo_open and x == lo):
+                raise self.error(name, shown, "is out of range", f)
+        if f.hi is not None:
+            hi = self._bound(f.hi)[0]
+            if x > hi or (f.hi_open and x == hi):
+                raise self.error(name, shown, "is out of range", f)
+        return x
+
+
+def _architecture(d: dict[str, Any], source: str) -> str:
+    supported = ", ".join(SUPPORTED_ARCHITECTURES)
+    archs = d.get("architectures")
+    if archs is None or archs == []:
+        problem = "missing" if "architectures" not in d else "null" if archs is None else "empty"
+        raise ModelLoadError(
+            f"{source}: architectures is {problem}; expected a list "
+            f"naming the model class, one of {supported}"
+        )
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        hint = f", e.g. [{_show(archs)}]" if isinstance(archs, str) else ""
+        raise ModelLoadError(
+            f"{source}: architectures = {_show(archs)} is not a list of strings; expected a list of "
+            f"model class names{hint}"
+        )
+    if archs[0] not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(f"{source}: unsupported architecture {archs[0]!r}; Strata supports {supported}")
+    return archs[0]
+
+
+def _rope(d: dict[str, Any], f: _Reader, source: str) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope scaling dict with rope_type, or None for plain rotary)."""
+    key = "rope_parameters" if d.get("rope_parameters") else "rope_scaling"
+    raw = d.get(key)
+    if raw is not None and not isinstance(raw, dict):
+        raise ModelLoadError(
+            f"{source}: {key} = {_show(raw)} is not an object; expected null or an object such as "
+            '{"rope_type": "linear", "factor": 2.0}'
+        )
+    rope = dict(raw or {})
+    sub = _Reader(rope, source, {"rope_type": ROPE_TYPE, "type": ROPE_TYPE, "rope_theta": SCHEMA["rope_theta"]},
+                  prefix=f"{key}.")
+    theta = f.get("rope_theta")
+    if theta is None:
+        theta = sub.get("rope_theta")
+    rtype = sub.get("rope_type" if rope.get("rope_type") is not None else "type")
+    params = _Reader(rope, source, ROPE_SCHEMAS[rtype], prefix=f"{key}.")
+    for name in ROPE_SCHEMAS[rtype]:
+        rope[name] = params.get(name)
+    rope["rope_type"] = rtype
+    return (10000.0 if theta is None else theta), (None if rtype == "default" else rope)
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(k) for k in range(1, n + 1) if n % k == 0)
 
 
 @dataclass
@@ -47,64 +259,75 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any], source: str = "config.json") -> ModelConfig:
-        archs = d.get("architectures") or []
-        arch = archs[0] if archs else None
-        if arch not in SUPPORTED_ARCHITECTURES:
+    def from_dict(cls, d: Any, source: str = "config.json") -> ModelConfig:
+        """Validate a parsed config.json (SCHEMA, ROPE_SCHEMAS and the cross-field rules) and
+        build the ModelConfig; any bad value is a ModelLoadError naming `source` and the field."""
+        if not isinstance(d, dict):
+            kind = {list: "a list", str: "a string", bool: "a boolean", type(None): "null"}.get(type(d), "a number")
             raise ModelLoadError(
-                f"{source}: unsupported architecture {arch!r}; Strata supports "
-                + ", ".join(SUPPORTED_ARCHITECTURES)
+                f"{source}: the top level is {kind}; expected a JSON object of model fields "
+                '({"architectures": [...], "hidden_size": ..., ...})'
             )
+        arch = _architecture(d, source)
         flags = SUPPORTED_ARCHITECTURES[arch]
-        try:
-            hidden = int(d["hidden_size"])
-            heads = int(d["num_attention_heads"])
-            layers = int(d["num_hidden_layers"])
-            inter = int(d["intermediate_size"])
-            vocab = int(d["vocab_size"])
-        except KeyError as e:
-            raise ModelLoadError(f"{source}: missing required field {e.args[0]!r}") from None
-        rope = d.get("rope_parameters") or d.get("rope_scaling") or None
-        rope_theta = d.get("rope_theta") or (rope or {}).get("rope_theta") or 10000.0
-        if rope is not None:
-            rope = dict(rope)
-            rtype = rope.get("rope_type", rope.get("type", "default"))
-            rope["rope_type"] = rtype
-            if rtype not in ("default", "linear", "llama3"):
+        f = _Reader(d, source, SCHEMA)
+        hidden = f.get("hidden_size")
+        inter = f.get("intermediate_size")
+        layers = f.get("num_hidden_layers")
+        heads = f.get("num_attention_heads")
+        kv_heads = f.get("num_key_value_heads") or heads
+        if heads % kv_heads:
+            raise ModelLoadError(
+                f"{source}: num_attention_heads = {heads} is not a multiple of num_key_value_heads = "
+                f"{kv_heads}; each KV head serves a whole group of query heads, so expected "
+                f"num_key_value_heads in {{{_divisors(heads)}}}"
+            )
+        head_dim = f.get("head_dim")
+        if head_dim is None:
+            if hidden % heads:
                 raise ModelLoadError(
-                    f"{source}: rope scaling type {rtype!r} is not supported; "
-                    "supported: default, linear, llama3"
+                    f"{source}: hidden_size = {hidden} is not divisible by num_attention_heads = {heads} "
+                    "and head_dim is not given; expected hidden_size = num_attention_heads x head_dim, "
+                    "or an explicit head_dim (as Qwen3 configs give)"
                 )
-            if rtype == "default":
-                rope = None
-        eos = d.get("eos_token_id")
-        eos_ids = [] if eos is None else (list(eos) if isinstance(eos, list) else [int(eos)])
-        sliding = d.get("sliding_window")
-        if arch.startswith("Qwen") and not d.get("use_sliding_window", False):
-            sliding = None
-        dtype_name = d.get("torch_dtype") or d.get("dtype") or "float32"
+            head_dim = hidden // heads
+        if head_dim % 2:
+            given = "" if d.get("head_dim") is not None else " (= hidden_size / num_attention_heads)"
+            raise ModelLoadError(
+                f"{source}: head_dim = {head_dim}{given} is odd; rotary embedding turns pairs of "
+                "dimensions, so expected an even head_dim"
+            )
+        vocab = f.get("vocab_size")
+        max_positions = f.get("max_position_embeddings")
+        rope_theta, rope = _rope(d, f, source)
+        sliding = None
+        if not arch.startswith("Qwen") or f.get("use_sliding_window"):
+            sliding = f.get("sliding_window")
+        bos = f.get("bos_token_id")
+        dtype_name = f.get("torch_dtype") or f.get("dtype") or "float32"
+        attention_bias = f.get("attention_bias")
         return cls(
             architecture=arch,
             hidden_size=hidden,
             intermediate_size=inter,
             num_layers=layers,
             num_heads=heads,
-            num_kv_heads=int(d.get("num_key_value_heads") or heads),
-            head_dim=int(d.get("head_dim") or hidden // heads),
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
             vocab_size=vocab,
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope_theta),
+            rms_norm_eps=f.get("rms_norm_eps"),
+            rope_theta=rope_theta,
             rope_scaling=rope,
-            max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            qkv_bias=flags["qkv_bias"] or bool(d.get("attention_bias", False)),
-            o_bias=bool(d.get("attention_bias", False)) and not arch.startswith("Qwen"),
-            mlp_bias=bool(d.get("mlp_bias", False)),
+            max_position_embeddings=max_positions,
+            tie_word_embeddings=f.get("tie_word_embeddings"),
+            qkv_bias=flags["qkv_bias"] or attention_bias,
+            o_bias=attention_bias and not arch.startswith("Qwen"),
+            mlp_bias=f.get("mlp_bias"),
             qk_norm=flags["qk_norm"],
-            sliding_window=int(sliding) if sliding else None,
-            torch_dtype=DTYPES.get(str(dtype_name).replace("torch.", ""), torch.float32),
-            bos_token_id=d.get("bos_token_id"),
-            eos_token_ids=eos_ids,
+            sliding_window=sliding,
+            torch_dtype=DTYPES.get(dtype_name.replace("torch.", ""), torch.float32),
+            bos_token_id=bos[0] if bos else None,
+            eos_token_ids=f.get("eos_token_id") or [],
         )
 
     @classmethod
@@ -113,9 +336,31 @@ class ModelConfig:
         if not path.is_file():
             raise ModelLoadError(f"{path}: config.json not found; a model directory needs one")
         try:
-            d = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise ModelLoadError(f"{path}: cannot parse config.json ({e})") from None
+            size = path.stat().st_size
+            if size > MAX_CONFIG_BYTES:
+                raise ModelLoadError(
+                    f"{path}: config.json is {fmt_bytes(size)}; a model config is a few KiB "
+                    f"(limit {fmt_bytes(MAX_CONFIG_BYTES)}): is this the right file?"
+                )
+            data = path.read_bytes()
+        except OSError as e:
+            raise ModelLoadError(f"{path}: cannot read config.json ({e.strerror or e})") from None
+        try:
+            text = data.decode("utf-8-sig")
+        except UnicodeDecodeError as e:
+            raise ModelLoadError(
+                f"{path}: config.json is not valid UTF-8 (byte 0x{data[e.start]:02x} at offset {e.start}); "
+                "expected UTF-8 JSON text"
+            ) from None
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ModelLoadError(
+                f"{path}: cannot parse config.json ({e.msg} at line {e.lineno}, column {e.colno})"
+            ) from None
+        except (ValueError, RecursionError) as e:  # e.g. an integer of > 4300 digits, deep nesting
+            why = "nested too deeply" if isinstance(e, RecursionError) else str(e)
+            raise ModelLoadError(f"{path}: cannot parse config.json ({why})") from None
         return cls.from_dict(d, str(path))
 
     def max_model_len(self, requested: int | None) -> int:

@@ -33,7 +33,7 @@ from strata.hardware.placement import set_compute_threads
 from strata.kernels.attention import select_backend
 from strata.memory.blocks import BlockManager
 from strata.memory.kv_cache import allocate_kv_cache
-from strata.memory.planner import MemoryPlan, plan_memory
+from strata.memory.planner import MemoryPlan, check_fits, plan_memory
 from strata.memory.swap import HostBlockPool, KVSwapper
 from strata.model_config import ModelConfig
 from strata.text_table import fmt_bytes
@@ -178,19 +178,8 @@ def host_pool(config: EngineConfig, plan: MemoryPlan, cfg: ModelConfig, dtype: t
     from strata.errors import ConfigError
 
     per_block = plan.kv_bytes_per_token * config.block_size
-    if config.swap_space is not None and not config.device.startswith("cuda"):
-        from strata.memory.planner import free_memory
-
-        free = free_memory("cpu")
-        if config.swap_space > free:
-            from strata.errors import CapacityError
-
-            raise CapacityError(
-                f"swap_space: {fmt_bytes(config.swap_space)} asked, but only {fmt_bytes(free)} of host memory "
-                "is available; lower --swap-space (default: the KV cache's size, at most 1 GiB)"
-            )
-    # default small (<= 1 GiB): a preempted sequence parks there only until it resumes; on CPU the
-    # pages become resident only when a block is swapped out (kv_cache.untouched_zeros)
+    if config.swap_space is not None:
+        check_fits("swap_space", "--swap-space", config.swap_space, "cpu", "default: the KV cache's size, <= 1 GiB")
     size = config.swap_space if config.swap_space is not None else min(plan.kv_cache_bytes, DEFAULT_SWAP_CAP)
     blocks = size // per_block
     if blocks == 0:
@@ -204,6 +193,10 @@ def host_pool(config: EngineConfig, plan: MemoryPlan, cfg: ModelConfig, dtype: t
 def kv_memory(config: EngineConfig, cfg: ModelConfig, dtype: torch.dtype, max_model_len: int):
     """The memory plan, the block manager (device blocks, scratch block, host pool) and the KV
     cache tensors it hands out."""
+    if config.kv_cache_memory is not None:  # after loading: the weights are already counted out
+        check_fits("kv_cache_memory", "--kv-cache-memory", config.kv_cache_memory, config.device,
+                   f"the default sizes the cache from max_num_seqs x max_model_len, capped at "
+                   f"{config.memory_fraction:.0%} of available memory")
     plan = plan_memory(
         cfg, dtype, config.block_size, max_model_len, config.max_num_seqs, config.kv_cache_memory,
         config.memory_fraction, config.device, config.quantization, config.quantization_group_size,

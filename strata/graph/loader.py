@@ -1,7 +1,9 @@
 """HF model directory -> CausalLM: streams safetensors tensor by tensor, fusing q/k/v and gate/up.
 
 The model is built on the `meta` device and materialised empty in its final dtype, so peak memory
-is about one copy of the weights. Pickle checkpoints (*.bin, *.pt) are refused: unpickling runs code.
+is about one copy of the weights; a model whose weights do not fit in the free memory of the device
+is refused before anything is allocated (check_weights_fit). Pickle checkpoints (*.bin, *.pt) are
+refused: unpickling runs code.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ from safetensors import safe_open
 from strata.errors import ModelLoadError
 from strata.graph.models.llama import CausalLM
 from strata.memory.arena import arena_tensors
+from strata.memory.planner import free_memory, weight_bytes
 from strata.model_config import ModelConfig
+from strata.text_table import fmt_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +69,38 @@ def weight_files(path: Path) -> list[Path]:
             f"{path}: found only pickle checkpoint(s) {', '.join(pickles)}. " + _CONVERT_HINT.format(p=path)
         )
     raise ModelLoadError(f"{path}: no model.safetensors (or sharded *.safetensors with an index) found")
+
+
+def model_bytes(cfg: ModelConfig, dtype: torch.dtype, max_positions: int | None = None) -> int:
+    """Bytes the loaded model holds: its weights in `dtype` plus the rotary cos/sin tables (fp32,
+    graph/layers.py), which are allocated when the model is built."""
+    positions = max_positions or cfg.max_position_embeddings
+    return weight_bytes(cfg, dtype) + 2 * positions * 2 * (-(-cfg.head_dim // 2)) * 4
+
+
+def check_weights_fit(
+    cfg: ModelConfig, dtype: torch.dtype, device: str, max_positions: int | None, path: Path | str
+) -> None:
+    """Refuse, before allocating anything, a model that does not fit in the memory available on
+    `device`: psutil's available memory on CPU, cudaMemGetInfo's free memory on CUDA."""
+    need = model_bytes(cfg, dtype, max_positions)
+    available = free_memory(device)
+    if need <= available:
+        return
+    name = str(dtype).removeprefix("torch.")
+    where = f"free memory on {device}" if device.startswith("cuda") else "available CPU memory"
+    fixes = []
+    if dtype.itemsize > 2:
+        fixes.append(f"load in a smaller dtype (--dtype bfloat16 needs "
+                     f"{fmt_bytes(model_bytes(cfg, torch.bfloat16, max_positions))})")
+    machine = "a GPU" if device.startswith("cuda") else "a machine"
+    fixes += ["use a smaller model", f"run on {machine} with more than {fmt_bytes(need)} free"]
+    raise ModelLoadError(
+        f"{path}: the model needs {fmt_bytes(need)} ({need:,} bytes: {cfg.num_params() / 1e9:.2f}B "
+        f"parameters in {name}), but only {fmt_bytes(available)} ({available:,} bytes) of {where} is "
+        f"left; refused before allocating. Fix: {', '.join(fixes[:-1])} or {fixes[-1]} (--quantization "
+        "int8/int4 does not lower this peak: the weights are loaded in --dtype first, then quantised)"
+    )
 
 
 def _targets(model: CausalLM, cfg: ModelConfig) -> dict[str, _Target]:
@@ -126,6 +162,7 @@ def load_model(
     path = check_model_dir(path)
     cfg = ModelConfig.from_file(path / "config.json")
     files = weight_files(path)
+    check_weights_fit(cfg, dtype, device, max_positions, path)
     with torch.device("meta"):
         model = CausalLM(cfg, max_positions)
     model = model.to(dtype)

@@ -41,6 +41,18 @@ def weight_bytes(
     return float_params * dtype.itemsize + sum(quantized_bytes(quantization, n, k, group_size) for n, k in mats)
 
 
+def check_fits(what: str, flag: str, nbytes: int, device: str, default: str) -> None:
+    """A size the user asked for must fit in the memory available now (the engine's start-up
+    check; the planner prices other machines and does not call it)."""
+    free = free_memory(device)
+    if nbytes > free:
+        kind = "device" if device.startswith("cuda") else "host"
+        raise CapacityError(
+            f"{what}: {fmt_bytes(nbytes)} asked, but only {fmt_bytes(free)} of {kind} memory is available; "
+            f"lower {flag}, or leave it unset ({default})"
+        )
+
+
 def free_memory(device: str) -> int:
     if device.startswith("cuda"):
         free, _ = torch.cuda.mem_get_info(torch.device(device))
@@ -101,15 +113,6 @@ def plan_memory(
     per_token = kv_bytes_per_token(cfg, dtype)
     per_block = per_token * block_size
     if kv_cache_memory is not None:
-        free = free_memory(device)
-        if kv_cache_memory > free:
-            raise CapacityError(
-                f"kv_cache_memory: {fmt_bytes(kv_cache_memory)} asked, but only {fmt_bytes(free)} of "
-                f"{'device' if device.startswith('cuda') else 'host'} memory is available after loading the "
-                f"weights ({fmt_bytes(weight_bytes(cfg, dtype, quantization, group_size))}); lower "
-                "--kv-cache-memory, or leave it unset (the default sizes the cache from max_num_seqs x "
-                f"max_model_len, capped at {memory_fraction:.0%} of available memory)"
-            )
         budget, source = kv_cache_memory, "kv_cache_memory"
     else:
         free = free_memory(device)

@@ -1,4 +1,6 @@
-"""Checkpoints that cannot be loaded fail with ModelLoadError naming the file, tensor or fix."""
+"""Checkpoints that cannot be loaded fail with ModelLoadError naming the file, tensor or fix; a model
+that does not fit in memory is refused before anything is allocated (config.json field errors:
+test_config_validation.py)."""
 
 from __future__ import annotations
 
@@ -7,12 +9,18 @@ import pathlib
 import pickle
 import shutil
 
+import psutil
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from strata import LLM
 from strata.errors import ModelLoadError
+from strata.graph import loader
 from strata.graph.loader import load_model
+from strata.memory.planner import weight_bytes
+from strata.model_config import ModelConfig
+from strata.text_table import fmt_bytes
 
 TENSOR = "model.layers.1.mlp.down_proj.weight"
 
@@ -180,3 +188,69 @@ def test_sharded_checkpoint_loads(model_copy, tiny_models, hf_forward):
     with torch.no_grad():
         got = m.compute_logits(m(torch.tensor([ids]), torch.arange(20)[None]))[0]
     torch.testing.assert_close(got, hf_forward(tiny_models["llama"], ids), atol=1e-4, rtol=0)
+
+
+# --- a model that does not fit in memory is refused before anything is allocated -------------------
+
+LLAMA2_7B_SHAPES = dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                        num_key_value_heads=32, head_dim=128, vocab_size=32000, tie_word_embeddings=False)
+
+
+def _available(monkeypatch, nbytes: int) -> None:
+    """psutil reports `nbytes` of available memory (the rest of virtual_memory() is real)."""
+    real = psutil.virtual_memory()
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: real._replace(available=nbytes))
+
+
+def test_model_bigger_than_memory_refused_before_allocating(model_copy, monkeypatch):
+    """config.json says Llama-2-7B (25 GiB in fp32) over the tiny weights, 1 GiB is available:
+    refused with both numbers and the fix, the model never built, RSS not grown."""
+    path = model_copy / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **LLAMA2_7B_SHAPES}))
+    cfg = ModelConfig.from_file(path)
+    need = loader.model_bytes(cfg, torch.float32, 96)
+    assert need > 25 * 2**30
+    _available(monkeypatch, 2**30)
+    built = []
+    real_causal_lm = loader.CausalLM
+    monkeypatch.setattr(loader, "CausalLM", lambda *a, **k: built.append(a) or real_causal_lm(*a, **k))
+    rss = psutil.Process().memory_info().rss
+    with pytest.raises(ModelLoadError) as err:
+        LLM(model=str(model_copy), dtype="float32", max_model_len=96, kv_cache_memory="1MiB", num_threads=1)
+    grown = psutil.Process().memory_info().rss - rss
+    msg = str(err.value)
+    assert not built, "the model was built before the memory check"
+    assert grown < 256 * 2**20, f"RSS grew by {fmt_bytes(grown)} while refusing a {fmt_bytes(need)} model"
+    assert str(model_copy) in msg
+    assert fmt_bytes(need) in msg and f"{need:,} bytes" in msg, msg  # what the weights need
+    assert "1.0 GiB" in msg and f"{2**30:,} bytes" in msg, msg  # what is available
+    assert "6.74B parameters in float32" in msg, msg
+    assert "--dtype bfloat16" in msg and fmt_bytes(loader.model_bytes(cfg, torch.bfloat16, 96)) in msg, msg
+    assert "more than" in msg and "--quantization" in msg, msg
+
+
+def test_memory_check_boundary_uses_available_bytes(model_copy, monkeypatch):
+    """The real tiny checkpoint: refused with one byte too few, loaded with exactly enough."""
+    cfg = ModelConfig.from_file(model_copy / "config.json")
+    need = loader.model_bytes(cfg, torch.float32, 64)
+    assert need == weight_bytes(cfg, torch.float32) + 2 * 64 * cfg.head_dim * 4
+    _available(monkeypatch, need - 1)
+    with pytest.raises(ModelLoadError, match=f"needs {fmt_bytes(need)} \\({need:,} bytes") as err:
+        _load(model_copy)
+    assert f"({need - 1:,} bytes) of available CPU memory" in str(err.value)
+    _available(monkeypatch, need)
+    assert _load(model_copy) is not None
+
+
+def test_memory_check_on_cuda_reads_free_device_memory(model_copy, monkeypatch):
+    """On CUDA the free memory comes from torch.cuda.mem_get_info (faked: no GPU needed)."""
+    cfg = ModelConfig.from_file(model_copy / "config.json")
+    need = loader.model_bytes(cfg, torch.bfloat16, 64)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (need // 2, 80 * 2**30))
+    with pytest.raises(ModelLoadError) as err:
+        loader.check_weights_fit(cfg, torch.bfloat16, "cuda:0", 64, model_copy)
+    msg = str(err.value)
+    assert f"{need:,} bytes" in msg and f"{need // 2:,} bytes) of free memory on cuda:0" in msg, msg
+    assert "--dtype bfloat16" not in msg and "a GPU with more than" in msg, msg  # already 16-bit: no smaller dtype
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (need, 80 * 2**30))
+    loader.check_weights_fit(cfg, torch.bfloat16, "cuda:0", 64, model_copy)
