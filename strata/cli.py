@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import sys
@@ -65,12 +66,14 @@ def _stream(llm, prompt: str, params) -> None:
     shown = 0
     print(prompt, end="", flush=True)
     out = None
-    while engine.has_unfinished():
-        for out in engine.step():
-            text = out.outputs[0].text
-            print(text[shown:], end="", flush=True)
-            shown = len(text)
-    print()
+    try:
+        while engine.has_unfinished():
+            for out in engine.step():
+                text = out.outputs[0].text
+                print(text[shown:], end="", flush=True)
+                shown = len(text)
+    finally:
+        print(flush=True)  # end the streamed line, also when interrupted: messages start on their own line
     if out is not None and out.first_token_time:
         n = len(out.outputs[0].token_ids)
         ttft = out.first_token_time - out.arrival_time
@@ -206,17 +209,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
-    )
+    """Run a command; errors are one line (exit 2), Ctrl-C is one line "interrupted" (exit 130).
+
+    After a KeyboardInterrupt, SIGINT is ignored so that a second Ctrl-C while we unwind (threads
+    joining, atexit hooks) cannot print a traceback. `strata serve` handles SIGINT itself once it
+    has started (main.py: drain, stop the children, exit 130)."""
+    import signal
+
     try:
+        args = build_parser().parse_args(argv)
+        logging.basicConfig(
+            level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+        )
         return args.func(args)
     except (StrataError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+        print("interrupted", file=sys.stderr, flush=True)
         return 130
 
 

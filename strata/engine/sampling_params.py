@@ -1,10 +1,49 @@
-"""SamplingParams: vLLM-shaped per-request generation settings, validated before any work."""
+"""SamplingParams: vLLM-shaped per-request generation settings, validated before any work.
+
+`validate` is the one place a value is judged, for the offline API (`LLM.generate` calls it
+through the engine) and the server alike (after its own type checks): a bad value is a
+RequestError (a ValueError) naming the field. Integers must be real ints (not bools), floats
+finite numbers; the limits below are the documented bounds.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from strata.errors import RequestError
+
+MAX_N = 128  # completions per prompt in one request (n)
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # seed; what the server's msgpack messages carry
+MAX_TOP_K = 2**31 - 1  # top_k beyond the vocabulary keeps every token
+MAX_TOKENS_LIMIT = INT64_MAX  # max_tokens / min_tokens (the context length is checked separately)
+MIN_DIVISOR = 1e-6  # least temperature > 0 and repetition_penalty: the fp32 sampler divides by them,
+# and far below this (~1e-37) the quotient overflows and sampling returns token 0
+
+
+def is_int(v: object) -> bool:
+    """A real integer: bool is an int subclass in Python but never a count or an id here."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def is_finite_number(v: object) -> bool:
+    """An int or float (not a bool) that is neither NaN nor infinite once a float."""
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        return False
+    try:
+        return math.isfinite(float(v))
+    except OverflowError:  # an int too large for a float
+        return False
+
+
+def _show(v: object) -> str:
+    """repr for an error message: short, and safe for ints too long for str()."""
+    if is_int(v) and v.bit_length() > 256:
+        return f"an integer of {v.bit_length()} bits"
+    if isinstance(v, list):
+        v = [x if not is_int(x) or x.bit_length() <= 256 else _show(x) for x in v[:20]]
+    text = repr(v)
+    return text if len(text) <= 200 else text[:200] + "..."
 
 
 @dataclass
@@ -28,10 +67,18 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
+        # Normalise only; never raise here, so a bad value is reported by validate() with the
+        # request index (LLM.generate validates every request before any work).
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        elif self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, list | tuple):
+            self.stop = list(self.stop)
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        elif isinstance(self.stop_token_ids, list | tuple):
+            self.stop_token_ids = list(self.stop_token_ids)
 
     @property
     def greedy(self) -> bool:
@@ -41,39 +88,46 @@ class SamplingParams:
         """Raise RequestError naming the request index and the field."""
 
         def bad(name: str, msg: str) -> RequestError:
-            return RequestError(f"request {index}: {name} {msg}, got {getattr(self, name)!r}", param=name)
+            return RequestError(f"request {index}: {name} {msg}, got {_show(getattr(self, name))}", param=name)
 
-        def is_int(v: object) -> bool:
-            return isinstance(v, int) and not isinstance(v, bool)
-
-        if not is_int(self.n) or self.n < 1:
-            raise bad("n", "must be an integer >= 1")
-        if not isinstance(self.temperature, int | float) or self.temperature < 0:
-            raise bad("temperature", "must be >= 0 (0 = greedy)")
-        if not isinstance(self.top_p, int | float) or not 0.0 < self.top_p <= 1.0:
-            raise bad("top_p", "must be in (0, 1]")
-        if not is_int(self.top_k) or self.top_k == 0 or self.top_k < -1:
-            raise bad("top_k", "must be -1 (disabled) or >= 1")
-        if not isinstance(self.min_p, int | float) or not 0.0 <= self.min_p <= 1.0:
-            raise bad("min_p", "must be in [0, 1]")
-        if not isinstance(self.repetition_penalty, int | float) or self.repetition_penalty <= 0:
-            raise bad("repetition_penalty", "must be > 0 (1 = off)")
-        for name in ("presence_penalty", "frequency_penalty"):
+        def number_in(name: str, ok, rule: str) -> None:
             v = getattr(self, name)
-            if not isinstance(v, int | float) or not -2.0 <= v <= 2.0:
-                raise bad(name, "must be in [-2, 2]")
-        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
-            raise bad("max_tokens", "must be an integer >= 1")
-        if not is_int(self.min_tokens) or self.min_tokens < 0:
-            raise bad("min_tokens", "must be an integer >= 0")
+            if not is_finite_number(v) or not ok(v):
+                raise bad(name, f"must be a finite number {rule}")
+
+        def int_in(name: str, lo: int, hi: int, rule: str) -> None:
+            v = getattr(self, name)
+            if not is_int(v) or not lo <= v <= hi:
+                raise bad(name, f"must be an integer {rule}")
+
+        int_in("n", 1, MAX_N, f">= 1 and <= {MAX_N} (Strata's limit on completions per request)")
+        number_in("temperature", lambda v: v == 0 or v >= MIN_DIVISOR, f"that is 0 (greedy) or >= {MIN_DIVISOR:g}")
+        number_in("top_p", lambda v: 0.0 < v <= 1.0, "in (0, 1]")
+        v = self.top_k
+        if not is_int(v) or not (v == -1 or 1 <= v <= MAX_TOP_K):
+            raise bad("top_k", f"must be -1 (disabled) or an integer in [1, {MAX_TOP_K}]")
+        number_in("min_p", lambda v: 0.0 <= v <= 1.0, "in [0, 1]")
+        number_in("repetition_penalty", lambda v: v >= MIN_DIVISOR, f">= {MIN_DIVISOR:g} (1 = off)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            number_in(name, lambda v: -2.0 <= v <= 2.0, "in [-2, 2]")
+        if self.max_tokens is not None:
+            int_in("max_tokens", 1, MAX_TOKENS_LIMIT, ">= 1 (and < 2**63)")
+        int_in("min_tokens", 0, MAX_TOKENS_LIMIT, ">= 0 (and < 2**63)")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
-        if self.seed is not None and not is_int(self.seed):
-            raise bad("seed", "must be an integer")
-        if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
-            raise bad("logprobs", "must be an integer >= 0")
-        if any(not isinstance(s, str) or not s for s in self.stop):
+        if self.seed is not None:
+            int_in("seed", INT64_MIN, INT64_MAX, "that fits in 64 bits (signed)")
+        if self.logprobs is not None:
+            top = vocab_size if vocab_size is not None else INT64_MAX
+            int_in("logprobs", 0, top, f">= 0{f' and <= the vocabulary size ({vocab_size})' if vocab_size else ''}")
+        if not isinstance(self.stop, list) or any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "must be non-empty strings")
+        if not isinstance(self.stop_token_ids, list):
+            raise bad("stop_token_ids", "must be a list of token ids")
+        top_id = vocab_size if vocab_size is not None else INT64_MAX
         for t in self.stop_token_ids:
-            if not is_int(t) or t < 0 or (vocab_size is not None and t >= vocab_size):
+            if not is_int(t) or t < 0 or t >= top_id:
                 raise bad("stop_token_ids", f"must be token ids in [0, {vocab_size})")
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "must be true or false")

@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import hmac
 import logging
+import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from strata.errors import RequestError
 from strata.server import routes_openai, routes_ops
-from strata.server.openai_api import error_response
+from strata.server.openai_api import error_response, validation_message
 from strata.server.routes_openai import BodyTooLarge
 from strata.server.state import ServerOptions, ServerState
 
@@ -26,6 +29,26 @@ __all__ = ["Guard", "ServerOptions", "ServerState", "build_app"]
 logger = logging.getLogger("strata.server")
 
 OPEN_PATHS = ("/health", "/ready")  # answered without an API key
+ROUTES = "/v1/models, /v1/completions, /v1/chat/completions, /health, /ready, /metrics"
+CLIENT_CLOSED = 499  # nginx's status for a request whose client went away (counted in /metrics)
+
+
+KNOWN_PATHS = frozenset(("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/ready", "/metrics"))
+
+
+def metric_endpoint(path: str) -> str:
+    """The `endpoint` label: a known route, else "other" (a client must not mint label values)."""
+    if path in KNOWN_PATHS:
+        return path
+    return "/v1/models/{model}" if path.startswith("/v1/models/") else "other"
+
+
+def internal_error(scope, exc: BaseException) -> JSONResponse:
+    """A 500 that says nothing of the failure but its request id; the traceback goes to the log."""
+    rid = "req-" + uuid.uuid4().hex
+    logger.error("request %s (%s %s) failed", rid, scope.get("method"), scope.get("path"), exc_info=exc)
+    return error_response(500, f"internal server error (request id {rid}; the details are in the server log)",
+                          code="internal_error", headers={"X-Request-Id": rid})
 
 
 def too_large(limit: int, size: int | None) -> JSONResponse:
@@ -74,13 +97,24 @@ class Guard:
             await send(message)
 
         path = scope["path"]
-        endpoint = path if path.startswith("/v1/") or path in ("/health", "/ready", "/metrics") else "other"
+        endpoint = metric_endpoint(path)
+        started = [False]
+
+        async def send_tracked(message) -> None:
+            if message["type"] == "http.response.start":
+                started[0] = True
+            await send_status(message)
+
         try:
             refusal = self._refuse(scope)
             if refusal is not None:
-                await refusal(scope, receive, send_status)
+                await refusal(scope, receive, send_tracked)
             else:
-                await self.app(scope, receive, send_status)
+                await self.app(scope, receive, send_tracked)
+        except Exception as exc:  # not handled by a route or a handler: one log entry, a generic body
+            if started[0]:
+                raise  # the status line is gone; let the server close the connection
+            await internal_error(scope, exc)(scope, receive, send_status)
         finally:
             self.state.metrics.requests.labels(endpoint, str(status[0])).inc()
 
@@ -99,21 +133,33 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def on_invalid(request: Request, exc: RequestValidationError):
-        first = exc.errors()[0] if exc.errors() else {}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        param = ".".join(loc) or None
-        if first.get("type") == "json_invalid":
-            return error_response(400, f"request body is not valid JSON: {first.get('msg')}", param=None)
-        return error_response(400, f"invalid field {param!r}: {first.get('msg', 'invalid')}", param=param)
+        message, param = validation_message(list(exc.errors()))
+        return error_response(400, message, param=param)
 
     @app.exception_handler(RequestError)
     async def on_request_error(request: Request, exc: RequestError):
         return error_response(400, str(exc), param=exc.param)
 
+    @app.exception_handler(HTTPException)
+    async def on_http_error(request: Request, exc: HTTPException):
+        method, path = request.method, request.url.path
+        if exc.status_code == 404:
+            message, code = f"no route {method} {path}; this server answers {ROUTES}", "not_found"
+        elif exc.status_code == 405:
+            allow = (exc.headers or {}).get("Allow", "")
+            message, code = f"{path} does not accept {method}" + (f"; use {allow}" if allow else ""), "method_not_allowed"
+        else:
+            message, code = str(exc.detail), None
+        return error_response(exc.status_code, message, code=code, headers=exc.headers)
+
+    @app.exception_handler(ClientDisconnect)
+    async def on_client_gone(request: Request, exc: ClientDisconnect):
+        logger.info("client disconnected while sending the body of %s %s", request.method, request.url.path)
+        return Response(status_code=CLIENT_CLOSED)
+
     @app.exception_handler(Exception)
-    async def on_error(request: Request, exc: Exception):
-        logger.error("request to %s failed", request.url.path, exc_info=exc)
-        return error_response(500, f"internal error: {type(exc).__name__}: {exc} (traceback in the server log)")
+    async def on_error(request: Request, exc: Exception):  # a fallback: Guard answers these first
+        return internal_error(request.scope, exc)
 
     app.include_router(routes_ops.router)
     app.include_router(routes_openai.router)

@@ -3,6 +3,7 @@
 It receives requests as token ids from the front end, steps the engine whenever there is work,
 and sends back the new token ids of every sequence it advanced (no text: detokenisation happens
 in the front end, off this loop). Requests, outputs and statistics are msgpack over ZeroMQ.
+It exits when the front end dies (procs.die_with_parent); the front end restarts it when it dies.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import traceback
 
 import zmq
 
+from strata.server import faults, procs
 from strata.server.protocol import decode, encode, params_from_dict
 
 logger = logging.getLogger("strata.server.engine")
@@ -151,9 +153,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", required=True, help="EngineConfig fields as JSON")
     ap.add_argument("--cpus", default=None, help="comma-separated CPU ids to run on")
     ap.add_argument("--log-level", default="INFO")
+    ap.add_argument("--start-number", type=int, default=0, help="0 for the first start, k for the k-th restart")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    procs.die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides when to stop (drain)
+    logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    if faults.engine_should_exit(args.start_number):
+        logger.warning("planted fault: engine start %d exits before loading (STRATA_TEST_FAULTS)", args.start_number)
+        return 3
+    if faults.engine_start_delay():
+        time.sleep(faults.engine_start_delay())
     if args.cpus:
         os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
     ctx = zmq.Context()
@@ -178,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         "max_model_len": engine.max_model_len, "vocab_size": cfg.vocab_size,
         "eos_token_ids": engine.eos_token_ids, "generation_defaults": engine.generation_defaults,
         "num_blocks": engine.plan.num_blocks, "block_size": engine.config.block_size,
+        "kv_cache_bytes": engine.plan.kv_cache_bytes,
         "threads": engine.threads, "warmup_seconds": warm,
     }
     logger.info("engine ready (warm-up %.2fs)", warm)

@@ -181,13 +181,18 @@ async def collect_json(state: ServerState, gen: Generation, req, shape: Response
             finish[d.index] = d.finish_reason
             shape.keep_logprobs(d)
     except EngineRequestFailed as e:
-        return error_response(e.status, str(e))
+        return error_response(e.status, _engine_message(e, gen.request_id))
     created = int(time.time())
     choices = [shape.choice(i, "".join(text.get(i, [])), finish.get(i)) for i in range(len(gen.prompts) * req.n)]
     body = {"id": gen.request_id, "object": shape.object_name, "created": created,
             "model": state.options.served_model_name, "choices": choices,
             "usage": usage(gen.num_prompt_tokens, gen.num_output_tokens)}
     return JSONResponse(body)
+
+
+def _engine_message(e: EngineRequestFailed, rid: str) -> str:
+    """The engine's own words (they name no internals); a 5xx also gets the request id for the log."""
+    return f"{e} (request id {rid})" if e.status >= 500 else str(e)
 
 
 def _error_chunk(message: str, type_: str) -> bytes:
@@ -213,14 +218,15 @@ async def stream_sse(state: ServerState, gen: Generation, req, shape: ResponseSh
             yield sse(shape.chunk(rid, model, created, [], usage(gen.num_prompt_tokens, gen.num_output_tokens)))
         yield DONE
     except EngineRequestFailed as e:
-        yield _error_chunk(str(e), "server_error" if e.status >= 500 else "invalid_request_error")
+        yield _error_chunk(_engine_message(e, rid), "server_error" if e.status >= 500 else "invalid_request_error")
         yield DONE
     except asyncio.CancelledError:
         logger.info("client disconnected mid-stream; request %s aborted", rid)
         raise
     except Exception:
         logger.exception("stream of %s failed", rid)
-        yield _error_chunk("internal error (traceback in the server log)", "server_error")
+        yield _error_chunk(f"internal server error (request id {rid}; the details are in the server log)",
+                           "server_error")
         yield DONE
     finally:
         state.metrics.stage.labels("stream").inc(stream_secs)

@@ -1,4 +1,14 @@
-"""`strata serve`: start the engine process and tokenizer workers, serve HTTP, drain on SIGTERM."""
+"""`strata serve`: start the engine process and tokenizer workers, serve HTTP, drain on SIGTERM.
+
+Start-up binds the HTTP port first (a port in use is one line, exit 2, before any child exists;
+uvicorn gets the bound socket, so the port cannot be lost later), removes the IPC directories of
+dead servers, then starts the children. While serving, the engine and the tokenizer workers are
+supervised (engine_client.py and tokenizer_pool.py say how): a dead child is restarted within a
+budget, and when the budget is spent the server logs one line and exits 1. Signals: SIGTERM drains
+and exits 0; SIGINT (Ctrl-C) does the same and exits 130; a second signal skips the drain. During
+start-up either signal stops the children at once. Every path stops the children and removes the
+IPC directory; the children also die on their own if this process is killed (procs.py).
+"""
 
 from __future__ import annotations
 
@@ -8,6 +18,7 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import time
 
 import uvicorn
@@ -15,9 +26,10 @@ import uvicorn
 from strata.config import EngineConfig
 from strata.engine.args import EngineArgs
 from strata.errors import StrataError
-from strata.server import procs
+from strata.server import faults, procs, routes_ops
 from strata.server.app import ServerOptions, ServerState, build_app
 from strata.server.metrics import Metrics
+from strata.text_table import fmt_bytes
 
 logger = logging.getLogger("strata.server")
 
@@ -45,12 +57,29 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for the model to load")
 
 
+GIVE_UP_GRACE = 1.0  # seconds /health answers 503 after the server gave up, before it exits
+
+
 class _Server(uvicorn.Server):
     """uvicorn without its own signal handlers: shutdown is ours (drain first)."""
 
     @contextlib.contextmanager
     def capture_signals(self):
         yield
+
+
+class _BindError(logging.Filter):
+    """Keeps the OSError uvicorn logs (then exits) when it cannot bind: we report it in one line."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.error: OSError | None = None
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, OSError):
+            self.error = record.msg
+            return False
+        return True
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -78,25 +107,73 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           "(copy the model's tokenizer files into that directory)")
     opts.served_model_name = (opts.served_model_name or args.random_model
                               or os.path.basename(os.path.normpath(model_path)))
-    logger.info("layout: %s", layout.describe())
-    return asyncio.run(_serve(args, kwargs, model_path, opts, layout))
+    sock = None if faults.skip_port_check() else procs.listen_socket(args.host, args.port)
+    ipc = None
+    try:
+        for d in procs.IpcDir.clean_stale():
+            logger.info("removed %s (its server is gone)", d)
+        ipc = procs.IpcDir()
+        logger.info("layout: %s", layout.describe())
+        return asyncio.run(_serve(args, kwargs, model_path, opts, layout, sock, ipc))
+    finally:
+        if sock is not None:
+            sock.close()
+        if ipc is not None:
+            ipc.cleanup()
 
 
-async def _serve(args, kwargs: dict, model_path: str, opts: ServerOptions, layout) -> int:
+async def _http(server: _Server, sock: socket.socket | None, host: str, port: int) -> None:
+    """uvicorn, with its exit on a failed bind (SystemExit) turned into our one-line error."""
+    bind = _BindError()
+    uv_log = logging.getLogger("uvicorn.error")
+    uv_log.addFilter(bind)
+    try:
+        await server.serve(sockets=[sock] if sock is not None else None)
+    except SystemExit:
+        if bind.error is not None:
+            raise procs.port_error(host, port, bind.error) from None
+        raise StrataError("the HTTP server failed to start (see the log above)") from None
+    finally:
+        uv_log.removeFilter(bind)
+
+
+async def _first(**aws) -> str:
+    """Wait for the first of the named awaitables to finish; cancel the others (not tasks given in)."""
+    futs = {name: asyncio.ensure_future(a) for name, a in aws.items()}
+    done, _ = await asyncio.wait(futs.values(), return_when=asyncio.FIRST_COMPLETED)
+    first = next(name for name, f in futs.items() if f in done)
+    for name, f in futs.items():
+        if name != first and f is not aws[name]:
+            f.cancel()
+            with contextlib.suppress(BaseException):
+                await f
+    return first
+
+
+async def _serve(args, kwargs: dict, model_path: str, opts: ServerOptions, layout, sock, ipc: procs.IpcDir) -> int:
     from strata.engine.tokenizer import Tokenizer
     from strata.server.engine_client import EngineClient
     from strata.server.tokenizer_pool import InLoopTokenizer, TokenizerPool
 
+    loop = asyncio.get_running_loop()
+    stop, force, signals = asyncio.Event(), asyncio.Event(), []
+
+    def on_signal(sig: int) -> None:
+        signals.append(sig)
+        (force if stop.is_set() else stop).set()  # a second signal skips the drain
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
     state = ServerState(options=opts, metrics=Metrics())
     state.tokenizer = Tokenizer.from_dir(model_path)
-    server = _Server(uvicorn.Config(build_app(state), host=args.host, port=args.port, log_level="warning",
+    app = build_app(state)
+    routes_ops.install(app, state)
+    server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                                     access_log=False, lifespan="off", timeout_keep_alive=5))
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    ipc = procs.IpcDir()
-    http = asyncio.create_task(server.serve())  # /health answers while the model loads
+    http = asyncio.create_task(_http(server, sock, args.host, args.port))  # /health answers while loading
+    watchers: list[asyncio.Task] = []
+    starts: list[asyncio.Task] = []
+    startup = None
     code = 0
     try:
         t0 = time.perf_counter()
@@ -107,22 +184,60 @@ async def _serve(args, kwargs: dict, model_path: str, opts: ServerOptions, layou
             state.tokenizers = TokenizerPool(model_path, layout.tokenizer_workers, ipc, layout.tokenizer_cpus)
         else:
             state.tokenizers = InLoopTokenizer(state.tokenizer)
-        await _until(stop, asyncio.gather(state.engine.start(opts.startup_timeout),
-                                          state.tokenizers.start(opts.startup_timeout)))
-        if not stop.is_set():
-            state.info = state.engine.info
-            state.ready = True
-            logger.warning("serving %s as %r on http://%s:%d (ready in %.1fs; %s)", model_path,
-                           opts.served_model_name, args.host, args.port, time.perf_counter() - t0, layout.describe())
-            await stop.wait()
-        await _drain(state)
+        starts = [asyncio.create_task(state.engine.start(opts.startup_timeout)),
+                  asyncio.create_task(state.tokenizers.start(opts.startup_timeout))]
+        startup = asyncio.gather(*starts)
+        first = await _first(stop=stop.wait(), http=http, work=startup)
+        if first == "http":
+            http.result()  # raises why it stopped (port lost)
+            raise StrataError("the HTTP server stopped during start-up")
+        if first == "stop":
+            logger.warning("%s during start-up: stopping", signal.Signals(signals[0]).name)
+            return _signal_code(signals)
+        startup.result()
+        state.info = state.engine.info
+        state.ready = True
+        port = sock.getsockname()[1] if sock is not None else args.port  # the real one for --port 0
+        logger.warning("serving %s as %r on http://%s:%d (ready in %.1fs; %s; %s)", model_path,
+                       opts.served_model_name, args.host, port, time.perf_counter() - t0, layout.describe(),
+                       _kv_summary(state.info, kwargs))
+        watchers.append(asyncio.create_task(state.engine.supervise(opts.startup_timeout)))
+        if isinstance(state.tokenizers, TokenizerPool):
+            watchers.append(asyncio.create_task(state.tokenizers.supervise()))
+        gave_up = asyncio.wait(watchers, return_when=asyncio.FIRST_COMPLETED)
+        first = await _first(stop=stop.wait(), http=http, gave_up=gave_up)
+        if first == "stop":
+            for w in watchers:  # no restarts while shutting down
+                w.cancel()
+            await _drain(state, force)
+            return _signal_code(signals)
+        if first == "http":
+            http.result()
+            raise StrataError("the HTTP server stopped unexpectedly")
+        w = next(w for w in watchers if w.done())
+        why = w.result() if w.exception() is None else f"supervision failed: {w.exception()!r}"
+        state.failed = why  # /health and /ready answer 503 from now on
+        logger.error("%s: exiting with code 1 so that a supervisor restarts the server", why)
+        state.engine.abort_all(f"server shutting down: {why}")
+        await asyncio.sleep(GIVE_UP_GRACE)  # let probes see the 503 and aborted requests get their answer
+        code = 1
     except StrataError as e:
+        if http.done() and not http.cancelled() and http.exception() is e:
+            raise  # the port: one line from the CLI, as when it is in use at start
         logger.error("%s", e)
         code = 1
     finally:
         state.draining = True
         server.should_exit = True
-        with contextlib.suppress(Exception):
+        if startup is not None:
+            startup.cancel()  # cancels the start tasks too
+            with contextlib.suppress(BaseException):
+                await startup  # retrieved: nothing logged about it at exit
+        for t in starts + watchers:
+            t.cancel()
+            with contextlib.suppress(BaseException):
+                await t
+        with contextlib.suppress(BaseException):
             await asyncio.wait_for(http, 10)
         if state.engine is not None:
             await state.engine.close()
@@ -132,30 +247,30 @@ async def _serve(args, kwargs: dict, model_path: str, opts: ServerOptions, layou
     return code
 
 
-async def _until(stop: asyncio.Event, work) -> None:
-    """Await `work` unless a stop signal comes first (then cancel it)."""
-    task = asyncio.ensure_future(work)
-    waiter = asyncio.ensure_future(stop.wait())
-    await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
-    waiter.cancel()
-    if not task.done():
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        return
-    task.result()
+def _kv_summary(info: dict, kwargs: dict) -> str:
+    """The KV reservation and how it was sized, for the start-up line."""
+    tokens = info.get("num_blocks", 0) * info.get("block_size", 0)
+    how = ("--kv-cache-memory" if kwargs.get("kv_cache_memory") is not None
+           else "max_num_seqs x max_model_len, capped at --memory-fraction of available memory")
+    size = fmt_bytes(info["kv_cache_bytes"]) if "kv_cache_bytes" in info else "?"
+    return f"KV cache {size} = {tokens} tokens, sized from {how}; resident only as used"
 
 
-async def _drain(state: ServerState) -> None:
+def _signal_code(signals: list[int]) -> int:
+    """Exit status after a requested stop: 130 for SIGINT (Ctrl-C, as the shell reports), 0 for SIGTERM."""
+    return 130 if signals and signals[0] == signal.SIGINT else 0
+
+
+async def _drain(state: ServerState, force: asyncio.Event) -> None:
     """Refuse new work (503), let in-flight requests finish for up to drain_timeout, abort the rest."""
     state.draining = True
     deadline = time.monotonic() + state.options.drain_timeout
     logger.warning("draining: %d requests in flight, up to %.0fs", len(state.in_flight), state.options.drain_timeout)
-    while (state.in_flight or state.waiting) and time.monotonic() < deadline:
+    while (state.in_flight or state.waiting) and time.monotonic() < deadline and not force.is_set():
         await asyncio.sleep(0.05)
     if state.in_flight or state.waiting:
         n = state.engine.abort_all("server shut down before this request finished (drain timeout)")
-        logger.warning("drain timeout: aborted %d requests", n)
+        logger.warning("drain %s: aborted %d requests", "cut short" if force.is_set() else "timeout", n)
         for _ in range(100):  # let their responses go out
             if not state.in_flight:
                 break

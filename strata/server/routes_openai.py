@@ -8,11 +8,10 @@ the two `ResponseShape`s below.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 
 from fastapi import APIRouter, Request
-from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
 
 from strata.errors import RequestError
 from strata.server import faults
@@ -23,8 +22,12 @@ from strata.server.openai_api import (
     CompletionRequest,
     chat_logprobs,
     chat_messages,
+    check_fields,
     completion_logprobs,
+    error_response,
+    load_body,
     sampling_params,
+    validation_message,
 )
 from strata.server.responses import CompletionLogprobs, chat_chunk, completion_chunk
 from strata.server.responses import chat_logprobs as format_chat_logprobs
@@ -37,13 +40,23 @@ class BodyTooLarge(Exception):
     """The body outgrew --max-request-bytes while being read (no or a false Content-Length); 413."""
 
 
+def _model_card(state: ServerState) -> dict:
+    return {"id": state.options.served_model_name, "object": "model", "created": int(time.time()),
+            "owned_by": "strata", "max_model_len": state.info.get("max_model_len")}
+
+
 @router.get("/v1/models")
 async def models(request: Request):
+    return {"object": "list", "data": [_model_card(server_state(request))]}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def model(request: Request, model_id: str):
     state = server_state(request)
-    return {"object": "list", "data": [{
-        "id": state.options.served_model_name, "object": "model", "created": int(time.time()), "owned_by": "strata",
-        "max_model_len": state.info.get("max_model_len"),
-    }]}
+    if model_id != state.options.served_model_name:
+        return error_response(404, f"model {model_id!r} does not exist; this server serves "
+                              f"{state.options.served_model_name!r}", param="model", code="model_not_found")
+    return _model_card(state)
 
 
 @router.post("/v1/completions")
@@ -62,29 +75,23 @@ async def chat(request: Request):
 
 # --- request bodies ------------------------------------------------------------------------------
 async def read_body(request: Request, limit: int) -> dict:
-    """The JSON object body, read with the size limit enforced as it arrives."""
+    """The JSON object body, read with the size limit enforced as it arrives, then checked
+    (openai_api.load_body; starlette's ClientDisconnect if the client hangs up meanwhile)."""
     body = bytearray()
     async for chunk in request.stream():
         body += chunk
         if len(body) > limit:
             raise BodyTooLarge()
-    try:
-        data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise RequestError(f"request body is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise RequestError("request body must be a JSON object")
-    return data
+    return load_body(bytes(body))
 
 
 def parse(model_cls, data: dict):
-    """Validate as FastAPI would, so a bad field gets the same 400 as a bad body of a typed route."""
+    """The typed request, or a RequestError naming the first bad field."""
     try:
-        return model_cls.model_validate(data)
-    except Exception as e:  # pydantic.ValidationError -> FastAPI's handler shape
-        if hasattr(e, "errors"):
-            raise RequestValidationError(e.errors()) from None
-        raise
+        return model_cls.model_validate(check_fields(data))
+    except ValidationError as e:
+        message, param = validation_message(e.errors(include_url=False))
+        raise RequestError(message, param=param) from None
 
 
 def _planted_fault() -> RuntimeError:
@@ -93,12 +100,12 @@ def _planted_fault() -> RuntimeError:
 
 # --- prompts -------------------------------------------------------------------------------------
 async def prepare_completion(state: ServerState, req: CompletionRequest) -> Submission:
+    params = sampling_params(req, state.info.get("generation_defaults", {}), completion_logprobs(req), req.max_tokens)
+    params.validate(0, state.info["vocab_size"])
     texts, prompts, secs = await completion_prompts(state, req)
     for t in texts:
         if t is not None and faults.should_raise(t):
             raise _planted_fault()
-    params = sampling_params(req, state.info.get("generation_defaults", {}), completion_logprobs(req), req.max_tokens)
-    params.validate(0, state.info["vocab_size"])
     for i, ids in enumerate(prompts):
         check_length(ids, params.max_tokens, state.info["max_model_len"], i)
     return Submission(prompts, params, secs, CompletionShape(req, state.tokenizer, prompts, texts))
@@ -137,14 +144,15 @@ async def completion_prompts(state: ServerState, req: CompletionRequest):
 
 async def prepare_chat(state: ServerState, req: ChatRequest) -> Submission:
     messages = chat_messages(req)
-    if any(faults.should_raise(str(m.get("content", ""))) for m in messages):
-        raise _planted_fault()
-    ids, secs = await state.tokenizers.run({"kind": "chat", "messages": messages})
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = sampling_params(req, state.info.get("generation_defaults", {}), chat_logprobs(req), max_tokens)
     params.validate(0, state.info["vocab_size"])
+    if any(faults.should_raise(str(m.get("content", ""))) for m in messages):
+        raise _planted_fault()
+    ids, secs = await state.tokenizers.run({"kind": "chat", "messages": messages})
     if params.max_tokens is None:  # chat default: the rest of the context
         params.max_tokens = max(1, state.info["max_model_len"] - len(ids))
+        params.validate(0, state.info["vocab_size"])  # min_tokens against it
     check_length(ids, params.max_tokens, state.info["max_model_len"])
     return Submission([ids], params, secs, ChatShape(req, state.tokenizer))
 

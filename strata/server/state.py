@@ -47,10 +47,22 @@ class ServerState:
     tokenizers: object = None  # TokenizerPool or InLoopTokenizer
     tokenizer: object = None  # the front end's own copy, for detokenisation
     info: dict = field(default_factory=dict)
-    ready: bool = False
+    ready: bool = False  # start-up finished (the model loaded once); `outage` says if it is down now
     draining: bool = False
+    failed: str | None = None  # the server gave up (a child cannot be restarted): /health is 503
     waiting: int = 0  # admitted requests without a first token yet (what --max-queue bounds)
     in_flight: set = field(default_factory=set)  # asyncio tasks serving generation requests
+
+    @property
+    def outage(self) -> str | None:
+        """Why the server cannot serve right now although it has started (a child is down), or None."""
+        if self.failed:
+            return f"the server is shutting down: {self.failed}"
+        for part in (self.engine, self.tokenizers):
+            why = getattr(part, "outage", None)
+            if why:
+                return why
+        return None
 
 
 def server_state(request: Request) -> ServerState:

@@ -1,7 +1,9 @@
 """A tokenizer worker process: `python -m strata.server.tokenizer_worker`.
 
 Receives text or chat messages from the front end, returns token ids; msgpack over ZeroMQ. Several
-run side by side so tokenising long prompts never stalls the HTTP event loop or the engine.
+run side by side so tokenising long prompts never stalls the HTTP event loop or the engine. Each is
+a DEALER with its own identity on the pool's ROUTER socket, so the pool knows which jobs a worker
+holds (and can hand them to another when it dies); it exits when the front end dies.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import time
 import zmq
 
 from strata.errors import StrataError
-from strata.server import faults
+from strata.server import faults, procs
 from strata.server.protocol import decode, encode
 
 logger = logging.getLogger("strata.server.tokenizer")
@@ -36,13 +38,13 @@ def tokenize(tokenizer, job: dict) -> list[int]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", required=True, help="directory with tokenizer.json")
-    ap.add_argument("--jobs", required=True, help="ZeroMQ address to pull jobs from")
-    ap.add_argument("--results", required=True, help="ZeroMQ address to push results to")
-    ap.add_argument("--worker-id", type=int, default=0)
+    ap.add_argument("--address", required=True, help="ZeroMQ address of the pool's ROUTER socket")
+    ap.add_argument("--identity", required=True, help="this worker's name on that socket")
     ap.add_argument("--cpus", default=None, help="comma-separated CPU ids to run on")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    procs.die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides when to stop
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     if args.cpus:
         os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one core per worker
@@ -50,13 +52,16 @@ def main(argv: list[str] | None = None) -> int:
 
     tokenizer = Tokenizer.from_dir(args.model)
     ctx = zmq.Context()
-    pull = ctx.socket(zmq.PULL)
-    pull.connect(args.jobs)
-    push = ctx.socket(zmq.PUSH)
-    push.connect(args.results)
-    push.send(encode({"job": -1, "hello": args.worker_id}))
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, args.identity.encode())
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(args.address)
+    sock.send(encode({"job": -1, "hello": args.identity}))
     while True:
-        job = decode(pull.recv())
+        job = decode(sock.recv())
+        if faults.tokenizer_should_exit(job):
+            logger.warning("planted fault: tokenizer worker %s exits (STRATA_TEST_FAULTS)", args.identity)
+            os._exit(3)
         t0 = time.perf_counter()
         try:
             reply = {"job": job["job"], "ids": tokenize(tokenizer, job)}
@@ -66,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
             logger.exception("tokenizer job failed")
             reply = {"job": job["job"], "error": f"{type(e).__name__}: {e}", "internal": True}
         reply["seconds"] = time.perf_counter() - t0
-        push.send(encode(reply))
+        sock.send(encode(reply))
 
 
 if __name__ == "__main__":

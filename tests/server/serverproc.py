@@ -5,6 +5,7 @@ the tests that `from conftest import ...`."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -91,3 +92,90 @@ def offline():
     from strata import LLM
 
     return LLM(None, dtype="float32")
+
+
+# --- process trees: the server's children, what is left of them, its IPC directory --------------
+def children_of(proc: subprocess.Popen, want: int = 2, timeout: float = 60) -> list:
+    """The server's child processes (psutil), once `want` of them exist."""
+    import psutil
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            kids = psutil.Process(proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            kids = []
+        if len(kids) >= want or time.monotonic() > deadline or proc.poll() is not None:
+            return kids
+        time.sleep(0.05)
+
+
+def child(proc: subprocess.Popen, module: str):
+    """The one child running `python -m strata.server.<module>`."""
+    kids = [k for k in children_of(proc) if f"strata.server.{module}" in " ".join(k.cmdline())]
+    assert len(kids) == 1, kids
+    return kids[0]
+
+
+def ipc_dirs(server_pid: int) -> list[str]:
+    import glob
+    import tempfile
+
+    return glob.glob(os.path.join(tempfile.gettempdir(), f"strata-{server_pid}-*"))
+
+
+def leftovers(server_pid: int) -> list:
+    """Live (non-zombie) processes started by that server: their command lines name its IPC directory."""
+    import psutil
+
+    mark = f"strata-{server_pid}-"
+    out = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        if mark in " ".join(p.info["cmdline"] or []) and p.info["status"] != psutil.STATUS_ZOMBIE:
+            out.append(p)
+    return out
+
+
+def wait_gone(procs: list, timeout: float) -> list:
+    """Wait up to `timeout` for the psutil processes to exit; the ones still alive (zombies count as gone)."""
+    import psutil
+
+    deadline = time.monotonic() + timeout
+    alive = list(procs)
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        time.sleep(0.05)
+    return alive
+
+
+def kill_tree(proc: subprocess.Popen, kids: list = ()) -> None:
+    """Teardown whatever happened: SIGKILL the server and every child still alive, and reap them."""
+    import psutil
+
+    kids = list(kids)
+    with contextlib.suppress(psutil.Error):
+        kids += psutil.Process(proc.pid).children(recursive=True)
+    if proc.poll() is None:
+        proc.kill()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(30)
+    kids = kids + leftovers(proc.pid)
+    for k in kids:
+        with contextlib.suppress(psutil.Error):
+            k.kill()
+    psutil.wait_procs(kids, timeout=10)
+
+
+def wait_status(server: Server, path: str, ok, timeout: float, poll: float = 0.1) -> int:
+    """Poll GET `path` until `ok(status)` (a connection error counts as status 0); the last status."""
+    deadline = time.monotonic() + timeout
+    status = -1
+    while time.monotonic() < deadline:
+        try:
+            status = httpx.get(server.url + path, timeout=5).status_code
+        except httpx.HTTPError:
+            status = 0
+        if ok(status):
+            return status
+        time.sleep(poll)
+    return status
