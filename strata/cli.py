@@ -208,6 +208,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _torchrun_worker(args: argparse.Namespace) -> int | None:
+    """Under torchrun with --tensor-parallel-size N, ranks > 0 run the steps of rank 0's engine
+    instead of the command (rank 0 serves, generates or benchmarks); None on rank 0 / no torchrun."""
+    tp = getattr(args, "tensor_parallel_size", 1) or 1
+    if tp < 2:
+        return None
+    from strata.comm.world import World
+
+    world = World.from_env()
+    if world is None or world.rank == 0:
+        return None
+    from strata.engine.tp_worker import exit_now, run_worker
+
+    exit_now(run_worker(EngineArgs.from_cli_args(args).create_engine_config()))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run a command; errors are one line (exit 2), Ctrl-C is one line "interrupted" (exit 130).
 
@@ -221,6 +237,9 @@ def main(argv: list[str] | None = None) -> int:
         logging.basicConfig(
             level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
         )
+        worker = _torchrun_worker(args)
+        if worker is not None:
+            return worker
         return args.func(args)
     except (StrataError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

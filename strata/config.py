@@ -78,6 +78,9 @@ class EngineConfig:
     fuse: bool | None = None
     compile: bool = False  # torch.compile the decode step (graph/capture.py), batch-bucketed
     cuda_graphs: bool = False  # capture + replay the decode step as CUDA graphs (CUDA only)
+    tensor_parallel_size: int = 1  # ranks sharing the model (torch.distributed; engine/parallel.py)
+    comm_dtype: str | None = None  # None | bfloat16 | float16: compressed tensor-parallel all-reduce
+    comm_timeout: float = 60.0  # seconds any collective may take before a rank counts as dead
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"):
@@ -141,6 +144,19 @@ class EngineConfig:
                 "compile (--compile) does not support quantized weights yet (the quantised projections "
                 "are not opaque ops for torch.compile); drop --compile or --quantization"
             )
+        tp = self.tensor_parallel_size
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ConfigError(f"tensor_parallel_size: must be a positive integer, got {tp!r}")
+        if tp > 1 and (self.compile or self.cuda_graphs or self.fuse):
+            raise ConfigError(
+                "tensor_parallel_size > 1 does not support --fuse / --compile / --cuda-graphs yet (the "
+                "traced and captured steps have no collectives); drop one of them"
+            )
+        if self.comm_dtype not in (None, "bfloat16", "float16"):
+            raise ConfigError(f"comm_dtype: unknown {self.comm_dtype!r}; choose bfloat16 or float16 (or None)")
+        if not isinstance(self.comm_timeout, int | float) or isinstance(self.comm_timeout, bool) \
+                or not self.comm_timeout > 0:
+            raise ConfigError(f"comm_timeout: must be a positive number of seconds, got {self.comm_timeout!r}")
         if self.fuse is None:
             self.fuse = False
 

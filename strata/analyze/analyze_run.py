@@ -3,7 +3,8 @@
 All requests arrive at once and LLMEngine steps until they finish, in this process. Per step:
 wall, schedule, forward and sample seconds and what it computed; per request: tokenize, queue,
 prefill and decode times; on one step in PROFILE_EVERY, torch.profiler's self time per operator,
-classified (OP_CATEGORIES) into GEMM, attention, KV memory traffic, norm/elementwise and other.
+classified (OP_CATEGORIES) into communication (tensor-parallel collectives), GEMM, attention, KV memory
+traffic, norm/elementwise and other.
 analyze_verdict.py attributes these figures; analyze.py runs the whole analysis.
 """
 
@@ -20,7 +21,9 @@ from strata.engine.sampling_params import SamplingParams
 PROFILE_EVERY = 8  # one profiled step in this many (the profiler's per-operator cost stays out of the rest)
 
 # operator name fragments -> category (first match wins; names are lower-cased)
-OP_CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
+OP_CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (  # first match wins
+    ("communication", ("c10d::", "gloo:", "nccl:", "allreduce", "all_reduce", "allgather", "all_gather",
+                       "strata::comm")),
     ("attention", ("attention", "scaled_dot_product", "sdpa", "softmax", "flash", "paged_decode")),
     ("memory", ("index_select", "index_copy", "index_put", "copy_", "kv_write", "write_kv", "swap",
                 "clone", "contiguous", "gather", "scatter", "cat", "stack", "fill_", "zero_", "to_copy")),

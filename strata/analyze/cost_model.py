@@ -5,15 +5,22 @@ the counts a model gives them (`ModelShape`), and the pricing: the roofline / me
 decode step, prefill (at the rates or from the layer probe's times), the compute crossover
 batch, and the alpha-beta all-reduce. The formulas are written out in plan.py's docstring
 (the text of `strata plan --help`); plan.py assembles these prices into a plan.
+
+The tensor-parallel all-reduce: on a datasheet target, ring and tree over the link's bandwidth
+with an assumed alpha; on `thisxN` (N ranks of this machine), the alpha-beta model that
+`strata bench comm` fitted here and stored in the hardware profile (strata/comm/alpha_beta.py:
+one fitted alpha and beta per transport, SHM and gloo on CPU, NCCL on GPUs).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 import torch
 
+from strata.comm.alpha_beta import CommModel, model_seconds
 from strata.errors import ConfigError
 from strata.hardware.specs import AcceleratorSpec
 from strata.memory.planner import kv_bytes_per_token, weight_bytes
@@ -79,6 +86,7 @@ class Device:
     measured: bool = False
     torch_device: str | None = None  # `this`: "cpu" / "cuda:0"
     notes: tuple[str, ...] = ()
+    comm: CommModel | None = None  # `thisxN`: the measured all-reduce model (strata bench comm)
 
     def rate(self, rows: int) -> float:
         return (self.few_rows_gflops if rows <= self.few_rows else self.gemm_gflops) * 1e9
@@ -104,8 +112,10 @@ def spec_device(spec: AcceleratorSpec, count: int, dtype: torch.dtype, alpha_us:
     )
 
 
-def this_device(profile, dtype: torch.dtype, quantization: str | None) -> Device:
-    """Rates measured on this machine (a HardwareProfile), matched to the kernels Strata runs."""
+def this_device(profile, dtype: torch.dtype, quantization: str | None, count: int = 1) -> Device:
+    """Rates measured on this machine (a HardwareProfile), matched to the kernels Strata runs.
+    count > 1 (`thisxN`): N ranks of this machine, their all-reduce priced by the profile's
+    comm model (measured_tp)."""
     from strata.hardware.measure import MATMUL_BATCH
 
     dname = str(dtype).replace("torch.", "")
@@ -140,12 +150,58 @@ def this_device(profile, dtype: torch.dtype, quantization: str | None) -> Device
         available = int(psutil.virtual_memory().available)
     else:
         available = int(torch.cuda.mem_get_info(torch.device(profile.device))[0])
-    return Device(
+    dev = Device(
         name=f"this ({profile.name})", source="measured (strata hw)", kind="cpu" if cpu else "gpu", count=1,
         memory_bytes=profile.memory_bytes, available_bytes=available, stream_gbs=stream,
         mem_gbs=profile.mem_bandwidth_gbs, few_rows=MATMUL_BATCH if cpu else 0, few_rows_gflops=few,
         gemm_gflops=gemm, attn_gflops=attn, measured=True, torch_device=profile.device, notes=tuple(notes),
     )
+    return measured_tp(dev, profile.comm(), count)
+
+
+def check_tp_count(comm: CommModel | None, count: int) -> bool:
+    """Whether `comm` has an all-reduce to price; raises for thisxN (N > 1) when it has none."""
+    if comm is not None and any("+" not in t for t in comm.transports("all_reduce")):
+        return True
+    if count != 1:
+        raise ConfigError(f"--hardware thisx{count}: plans one device of this machine unless its comm model "
+                          f"is measured: run `strata bench comm --world-size {count}` first")
+    return False
+
+
+def measured_tp(dev: Device, comm: CommModel | None, count: int) -> Device:
+    """`this` as `count` ranks with the measured all-reduce. Ranks of one CPU host share its
+    cores, DRAM bandwidth and memory, so each gets 1/count of the measured rates and memory (the
+    host's total is what it is; TP there adds the all-reduces and no bandwidth); GPUs are
+    separate devices with the measured rates each."""
+    if not check_tp_count(comm, count):
+        return dev
+    fits = [comm.get("all_reduce", t, count) for t in comm.transports("all_reduce") if "+" not in t]
+    desc = "; ".join(f"{f.transport} alpha {f.alpha_s * 1e6:.1f} us, beta {f.beta_bps / 1e9:.2f} GB/s "
+                     f"({f.algorithm}, fitted at n={f.world_size})" for f in fits)
+    if count == 1:
+        return dataclasses.replace(dev, comm=comm, notes=dev.notes + (
+            f"comm model measured by `{comm.source}` ({comm.measured_at}): {desc}; "
+            "--hardware thisxN prices tensor parallelism with it",))
+    best = min(fits, key=lambda f: f.predict(4096, count))
+    notes = [f"tensor-parallel all-reduce priced from the comm model `{comm.source}` fitted on this machine "
+             f"({comm.measured_at}), not a datasheet: {desc}; the cheaper transport per message is taken"]
+    if any(f.world_size != count for f in fits):
+        notes.append(f"comm model extrapolated to n={count} with each algorithm's formula (strata/comm/alpha_beta.py)")
+    if any(f.transport == "shm" for f in fits):
+        notes.append("'comm tree' column = the shared-memory (one-shot) all-reduce, 'comm ring' = gloo's ring")
+    scale, share = (1.0 / count, f"{count} ranks share this host: each gets 1/{count} of its measured rates "
+                    "and memory") if dev.kind == "cpu" else (1.0, "")
+    if share:
+        notes.append(share)
+    return dataclasses.replace(
+        dev, name=f"{dev.name} x{count} ranks", count=count, comm=comm,
+        memory_bytes=int(dev.memory_bytes * scale),
+        available_bytes=None if dev.available_bytes is None else int(dev.available_bytes * scale),
+        stream_gbs=dev.stream_gbs * scale, mem_gbs=dev.mem_gbs * scale,
+        few_rows_gflops=dev.few_rows_gflops * scale, gemm_gflops=dev.gemm_gflops * scale,
+        attn_gflops=dev.attn_gflops * scale, link=f"measured {'/'.join(f.transport for f in fits)}",
+        link_gbs=best.beta_bps / 1e9, alpha_s=best.alpha_s, notes=dev.notes + tuple(notes))
 
 
 # ---------------------------------------------------------------- formulas
@@ -159,6 +215,21 @@ def allreduce_seconds(nbytes: float, n: int, bw_gbs: float, alpha_s: float) -> d
     ring = 2 * (n - 1) / n * nbytes / bw + 2 * (n - 1) * alpha_s
     tree = 2 * math.log2(n) * (alpha_s + nbytes / bw)
     return {"ring": ring, "tree": tree}
+
+
+def tp_allreduce_seconds(dev: Device, nbytes: float, n: int) -> dict[str, float]:
+    """One tensor-parallel all-reduce, {"ring": s, "tree": s}; the cheaper is the price. With a
+    measured comm model: "ring" = the fitted ring transport (gloo / NCCL), "tree" = the fitted
+    shared-memory all-reduce where there is one, else the ring fit's alpha and beta in the tree
+    formula. Else the datasheet's (allreduce_seconds)."""
+    if dev.comm is None or n <= 1:
+        return allreduce_seconds(nbytes, n, dev.link_gbs, dev.alpha_s)
+    fits = [dev.comm.get("all_reduce", t, n) for t in dev.comm.transports("all_reduce") if "+" not in t]
+    ring = [f.predict(nbytes, n) for f in fits if f.algorithm == "ring"]
+    other = [f.predict(nbytes, n) for f in fits if f.algorithm != "ring"]
+    if not other:
+        other = [model_seconds("tree", nbytes, n, f.alpha_s, f.beta_bps) for f in fits]
+    return {"ring": min(ring) if ring else min(other), "tree": min(other)}
 
 
 @dataclass(frozen=True)
@@ -216,7 +287,7 @@ def decode_step(shape: ModelShape, dev: Device, batch: int, context: int, tp: in
     comm = 0.0
     if tp > 1:
         nbytes = cfg.hidden_size * shape.act_itemsize * batch
-        comm = 2 * cfg.num_layers * min(allreduce_seconds(nbytes, tp, dev.link_gbs, dev.alpha_s).values())
+        comm = 2 * cfg.num_layers * min(tp_allreduce_seconds(dev, nbytes, tp).values())
     over = overhead.at(batch, cfg.num_layers) if overhead is not None else 0.0
     return Step(batch, context, tp, w + kv, f_lin + f_att, mem_s, compute_s, roofline, kernel, over, comm,
                 "compute" if compute_s > mem_s else "memory")
@@ -272,7 +343,7 @@ def prefill(shape: ModelShape, dev: Device, tokens: int, chunk: int, tp: int = 1
     comm = 0.0
     if tp > 1:
         nbytes = cfg.hidden_size * shape.act_itemsize * min(tokens, chunk)
-        comm = chunks * 2 * cfg.num_layers * min(allreduce_seconds(nbytes, tp, dev.link_gbs, dev.alpha_s).values())
+        comm = chunks * 2 * cfg.num_layers * min(tp_allreduce_seconds(dev, nbytes, tp).values())
     over = chunks * overhead.at(1, cfg.num_layers) if overhead is not None else 0.0
     return Prefill(tokens, chunks, flops, w + tokens * shape.kv_per_token / tp, compute_s, attn_s, read_s, over,
                    comm, elementwise_s, source)

@@ -30,7 +30,9 @@ the model timed at its own shapes (layer_probe.py: projections, attention, and t
 work no FLOP count sees), times the layers, plus the lm_head read; the rates above are the
 fallback when that layer would take too long to time. Tensor parallel adds 2 all-reduces per layer of
 hidden*bytes*b, alpha-beta model: ring 2(N-1)/N*bytes/bw + 2(N-1)*alpha, tree
-2*log2(N)*(alpha + bytes/bw); the cheaper is taken.
+2*log2(N)*(alpha + bytes/bw); the cheaper is taken. Datasheet targets use the link's bandwidth and
+an assumed alpha; `thisxN` (N ranks of this machine) uses the alpha and beta that `strata bench
+comm --world-size N` fitted here (SHM, gloo, NCCL; stored in the hardware profile), and says so.
 """
 
 from __future__ import annotations
@@ -50,12 +52,14 @@ from strata.analyze.cost_model import (
     Prefill,
     Step,
     _kv_split,
-    allreduce_seconds,
+    allreduce_seconds,  # noqa: F401  (re-exported: the datasheet formula)
+    check_tp_count,
     crossover_batch,
     decode_step,
     prefill,
     spec_device,
     this_device,
+    tp_allreduce_seconds,
 )
 from strata.config import DTYPES, engine_default
 from strata.errors import CapacityError, ConfigError
@@ -280,14 +284,15 @@ def build_plan(req: PlanRequest, profile=None, overhead=None) -> Plan:
     is_this = hw_name.lower() == "this"
     notes: list[str] = []
     if is_this:
-        if count != 1:
-            raise ConfigError("--hardware this: plans one device of this machine; use NAMExN for several")
         if profile is None:
-            from strata.hardware.probe import probe
+            from strata.hardware.probe import cached_comm_model, probe
 
-            profile = probe("cuda:0" if torch.cuda.is_available() else "cpu", refresh=req.refresh)
+            where = "cuda:0" if torch.cuda.is_available() else "cpu"
+            if count != 1 and cached_comm_model(where) is None:  # refused before measuring anything
+                check_tp_count(None, count)
+            profile = probe(where, refresh=req.refresh)
         dtype = _resolve_dtype(req.dtype, cfg, profile)
-        dev = this_device(profile, dtype, req.quantization)
+        dev = this_device(profile, dtype, req.quantization, count)
     else:
         spec = lookup(hw_name)
         dtype = _resolve_dtype(req.dtype, cfg, None)
@@ -354,7 +359,7 @@ def _tp_options(shape: ModelShape, dev: Device, req: PlanRequest, dtype: torch.d
             best = max(fit, key=lambda s: s.tokens_per_s) if fit else None
             replicas = dev.count // tp
             nbytes = shape.cfg.hidden_size * shape.act_itemsize
-            ar = allreduce_seconds(nbytes, tp, dev.link_gbs, dev.alpha_s)
+            ar = tp_allreduce_seconds(dev, nbytes, tp)
             per_step = 2 * shape.cfg.num_layers
             thr = best.tokens_per_s * replicas if best else 0.0
             cost = (req.price_per_hour / 3600 / thr * 1e6) if (req.price_per_hour and thr) else None

@@ -23,4 +23,5 @@ def register(sub: argparse._SubParsersAction) -> argparse._SubParsersAction:
 
     for mod in (throughput, latency, prefix, preempt, serve):
         add_module(bsub, mod)
+    add_module(bsub, __import__("strata.bench.comm", fromlist=["comm"]))  # strata bench comm
     return bsub

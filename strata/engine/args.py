@@ -71,6 +71,11 @@ FLAGS: tuple[_Flag, ...] = (
           "(default: off, eager)", kind="true"),
     _Flag("cuda_graphs", "capture the decode step as CUDA graphs per batch bucket and replay it (CUDA only)",
           kind="true"),
+    _Flag("tensor_parallel_size", "ranks sharing the model (tensor parallelism over torch.distributed; local "
+          "ranks are spawned, or run the command under torchrun)", type=int),
+    _Flag("comm_dtype", "compress the tensor-parallel all-reduce to this dtype", choices=("bfloat16", "float16"),
+          default_text="the activations' dtype"),
+    _Flag("comm_timeout", "seconds a collective may take before a rank counts as dead", type=float),
 )
 _BY_FIELD = {f.field: f for f in FLAGS}
 

@@ -9,6 +9,7 @@ capture. The engine (llm_engine.py) only runs steps over the parts built here.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gc
 import importlib
@@ -16,6 +17,7 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,7 +31,7 @@ from strata.engine.sampler import Sampler
 from strata.engine.scheduler import Scheduler
 from strata.errors import ModelLoadError
 from strata.graph.loader import check_model_dir, load_model
-from strata.hardware.placement import set_compute_threads
+from strata.hardware.placement import rank_placement, set_compute_threads
 from strata.kernels.attention import select_backend
 from strata.memory.blocks import BlockManager
 from strata.memory.kv_cache import allocate_kv_cache
@@ -190,9 +192,11 @@ def host_pool(config: EngineConfig, plan: MemoryPlan, cfg: ModelConfig, dtype: t
     return HostBlockPool(cfg, blocks, config.block_size, dtype, pin=config.device.startswith("cuda"))
 
 
-def kv_memory(config: EngineConfig, cfg: ModelConfig, dtype: torch.dtype, max_model_len: int):
+def kv_memory(config: EngineConfig, cfg: ModelConfig, dtype: torch.dtype, max_model_len: int,
+              agree: Callable[[int], int] | None = None):
     """The memory plan, the block manager (device blocks, scratch block, host pool) and the KV
-    cache tensors it hands out."""
+    cache tensors it hands out. `cfg` is this rank's (its share of the heads, with tensor
+    parallelism); `agree(num_blocks)` makes every rank use the same block count (the smallest)."""
     if config.kv_cache_memory is not None:  # after loading: the weights are already counted out
         check_fits("kv_cache_memory", "--kv-cache-memory", config.kv_cache_memory, config.device,
                    f"the default sizes the cache from max_num_seqs x max_model_len, capped at "
@@ -201,6 +205,8 @@ def kv_memory(config: EngineConfig, cfg: ModelConfig, dtype: torch.dtype, max_mo
         cfg, dtype, config.block_size, max_model_len, config.max_num_seqs, config.kv_cache_memory,
         config.memory_fraction, config.device, config.quantization, config.quantization_group_size,
     )
+    if agree is not None:
+        plan = dataclasses.replace(plan, num_blocks=agree(plan.num_blocks))
     blocks = BlockManager(
         plan.num_blocks, config.block_size, config.enable_prefix_caching,
         scratch_block=config.compile or config.cuda_graphs,  # padded rows of a captured decode step
@@ -251,18 +257,66 @@ class EngineParts:
     runner: ModelRunner
     scheduler: Scheduler
     sampler: Sampler
+    ranks: object | None = None  # engine.parallel.Ranks with tensor parallelism
+    control: object | None = None  # the Communicator step plans travel on
+
+
+def shard(model, ranks, comm):
+    """Tensor parallelism, applied to the built (and quantised) model from outside."""
+    from strata.graph.tensor_parallel import shard_model
+
+    t0 = time.perf_counter()
+    model = shard_model(model, ranks.rank, ranks.world.world_size, comm)
+    logger.info("sharded for rank %d of %d in %.2fs", ranks.rank, ranks.world.world_size, time.perf_counter() - t0)
+    return model
 
 
 def build_engine(config: EngineConfig, detokenize: bool = True) -> EngineParts:
     """detokenize=False: sequences carry token ids only; text and stop strings are the caller's."""
     import_apart("torch._dynamo")
-    threads = set_compute_threads(config.num_threads)
     ckpt = open_checkpoint(config.model)
+    ranks = comm = control = None
+    if config.tensor_parallel_size > 1:
+        from strata.comm.collectives import Communicator
+        from strata.engine.parallel import Ranks
+        from strata.graph.tensor_parallel import check_shardable
+
+        check_shardable(ckpt.model_config, config.tensor_parallel_size)  # before any rank starts
+
+        ranks = Ranks(config)  # spawns the other local ranks, or joins torchrun's world
+        from strata.hardware.probe import cached_comm_model
+
+        # the measured alpha-beta model (`strata bench comm`) picks SHM or gloo per message size
+        comm = Communicator(comm_dtype=config.comm_dtype, cost=cached_comm_model(config.device),
+                            timeout_s=config.comm_timeout)
+        comm.setup_shm()  # collectively, now, rather than inside the first forward
+        control = Communicator(ranks.control, shm=False)
+        w = ranks.world
+        threads, _ = rank_placement(w.local_rank, w.local_world_size, config.num_threads)
+    else:
+        threads = set_compute_threads(config.num_threads)
+    try:
+        return _build(config, ckpt, detokenize, threads, ranks, comm, control)
+    except BaseException:
+        if ranks is not None:
+            ranks.close()
+        raise
+
+
+def _build(config: EngineConfig, ckpt: Checkpoint, detokenize: bool, threads: int, ranks, comm,
+           control) -> EngineParts:
     cfg = ckpt.model_config
     dtype = resolve_dtype(config.dtype, config.device, cfg.torch_dtype)
     max_len = resolve_max_model_len(cfg, config.max_model_len)
     model = quantize(load(ckpt, dtype, config.device, max_len), config)
-    plan, blocks, kv_caches = kv_memory(config, cfg, dtype, max_len)
+    rank_cfg, agree = cfg, None
+    if ranks is not None:
+        from strata.graph.tensor_parallel import per_rank_config
+
+        model = shard(model, ranks, comm)
+        rank_cfg = per_rank_config(cfg, ranks.world.world_size)
+        agree = ranks.min_int
+    plan, blocks, kv_caches = kv_memory(config, rank_cfg, dtype, max_len, agree)
     backend = select_backend(config.attention_backend, config.device, dtype)
     forward, fusion = fuse(model, config)
     decode_step = capture(model, forward, kv_caches, blocks, backend, config, max_len)
@@ -279,4 +333,4 @@ def build_engine(config: EngineConfig, detokenize: bool = True) -> EngineParts:
     scheduler = Scheduler(blocks, config.max_num_seqs, config.max_num_batched_tokens, prefer_swap, lifecycle)
     sampler = Sampler(cfg.vocab_size, ckpt.eos_token_ids, config.seed)
     return EngineParts(config, threads, ckpt, dtype, max_len, model, plan, blocks, kv_caches, fusion,
-                       runner, scheduler, sampler)
+                       runner, scheduler, sampler, ranks, control)

@@ -6,11 +6,14 @@ detokenises, applies stop conditions and returns outputs for the requests it adv
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import time
 
 from strata.config import EngineConfig
 from strata.engine.build import build_engine
+from strata.engine.parallel import STOP, RankDied, encode_step
 from strata.engine.request import CompletionOutput, Request, RequestOutput, SeqStatus
 from strata.engine.sampling_params import SamplingParams
 from strata.errors import RequestError
@@ -33,6 +36,7 @@ class LLMEngine:
         self.model, self.plan, self.kv_caches = parts.model, parts.plan, parts.kv_caches
         self.block_manager, self.fusion = parts.block_manager, parts.fusion
         self.runner, self.scheduler, self.sampler = parts.runner, parts.scheduler, parts.sampler
+        self.ranks, self._control = parts.ranks, parts.control  # tensor parallelism (engine/parallel.py)
         self.requests: dict[str, Request] = {}
         self.last_schedule = None
         self.step_observers: list = []  # callables(engine) run after every step (benchmarks, metrics)
@@ -48,12 +52,24 @@ class LLMEngine:
             self.abort(rid)
         if self.runner.swapper is not None:
             self.runner.swapper.close()
+        ranks = self.ranks
+        if ranks is not None:
+            with contextlib.suppress(Exception):  # the others may be gone already
+                self._control.broadcast_bytes(STOP)
         self.model = self.kv_caches = self.runner = self.scheduler = self.sampler = self.fusion = None
-        self.block_manager = self.last_schedule = None
+        self.block_manager = self.last_schedule = self.ranks = self._control = None
         self.step_observers = []
+        if ranks is not None:
+            # nothing may hold a Communicator (the sharded model does) when the world is destroyed:
+            # torch's process-group teardown then aborts the process at exit now and then
+            gc.collect()
+            ranks.close()
 
     def _check_open(self) -> None:
         if self.runner is None:
+            failure = getattr(self, "_failure", None)
+            if failure is not None:
+                raise RankDied(f"this engine failed earlier: {failure}")
             raise RequestError("this engine was closed (LLM.close() / the end of `with LLM(...)`); build a new one")
 
     @property
@@ -150,7 +166,7 @@ class LLMEngine:
         out = self.scheduler.schedule()
         self.last_schedule = out  # for observers (the analyzer classifies steps by it)
         t1 = time.perf_counter()
-        logits, seqs = self.runner.execute(out)
+        logits, seqs = self._execute(out)
         self.num_steps += 1
         t2 = time.perf_counter()
         sampled = self.sampler(logits, seqs) if seqs else None
@@ -169,6 +185,41 @@ class LLMEngine:
                 self.requests.pop(req.request_id, None)
             outputs.append(self._output(req))
         return outputs
+
+    def _execute(self, out):
+        """Run the step: with tensor parallelism, first hand its plan to the other ranks."""
+        if self.ranks is None:
+            return self.runner.execute(out)
+        try:
+            self._control.broadcast_bytes(encode_step(out))
+            return self.runner.execute(out)
+        except RuntimeError as e:  # a collective failed: a rank died or hung past comm_timeout
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+            failed = RankDied(f"tensor-parallel step failed ({why}); the engine cannot continue")
+            try:
+                self.ranks.check_alive()
+            except RankDied as dead:
+                failed = RankDied(f"{dead}; the step failed ({why}) and the engine cannot continue")
+            self._fail_all(failed)
+            raise failed from None
+
+    def _fail_all(self, error: Exception) -> None:
+        """The ranks are out of step for good: abort everything and close."""
+        for rid in list(self.requests):
+            self.abort(rid)
+        ranks = self.ranks
+        self.ranks = self._control = self.model = self.kv_caches = None
+        self.runner = None
+        gc.collect()
+        with contextlib.suppress(Exception):
+            ranks.close()
+        self._failure = error
+        self.runner = None  # refuses further work (_check_open)
+
+    def __del__(self) -> None:
+        if getattr(self, "ranks", None) is not None:  # do not leave the other ranks waiting
+            with contextlib.suppress(Exception):
+                self.close()
 
     def _output(self, req: Request) -> RequestOutput:
         tl = req.timeline

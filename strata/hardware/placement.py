@@ -137,3 +137,21 @@ def server_layout(tokenizer_workers: int | None, compute_threads: int | None,
     compute_cpus = sorted(c for core in cores[:compute_threads] for c in core)
     spare_cpus = sorted(c for core in spare for c in core)
     return ServerLayout(compute_threads, workers, compute_cpus, spare_cpus)
+
+
+def rank_placement(local_rank: int, local_world_size: int, threads: int | None = None) -> tuple[int, list[int]]:
+    """Compute threads and CPUs for one of `local_world_size` ranks on this host: the usable CPUs
+    split into equal runs of whole cores, one run per rank, so ranks never share a core; the
+    process is pinned to its run (Linux). Returns (threads, cpus)."""
+    cpus = usable_cpus()
+    groups = _core_groups(cpus)  # CPUs of one physical core together
+    per = max(1, len(groups) // local_world_size)
+    mine = groups[(local_rank * per) % len(groups):][:per] or groups[:1]
+    my_cpus = sorted(c for g in mine for c in g)
+    if hasattr(os, "sched_setaffinity"):
+        try:
+            os.sched_setaffinity(0, my_cpus)
+        except OSError as e:  # a restricted container: keep running unpinned
+            logger.info("rank %d: could not pin to CPUs %s (%s)", local_rank, my_cpus, e)
+    n = set_compute_threads(threads if threads is not None else len(mine))
+    return n, my_cpus

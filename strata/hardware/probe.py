@@ -6,7 +6,9 @@ Schema 3 adds what `strata hw` and `strata plan` read: prefill-shaped GEMM rates
 kernels' rates, the cost of one tiny torch op, an independent numpy bandwidth figure, and
 host<->device copy rates on GPUs. The figures' dataclass is profile.py's HardwareProfile, the
 measurements are measure.py's, and `auto_dtype()` (Strata's `dtype="auto"`) applies
-dtype_policy.py to this machine's cached profile.
+dtype_policy.py to this machine's cached profile. `strata bench comm` stores its fitted
+collectives model in the same cached profile (save_comm_model; cached_comm_model reads it
+without measuring anything), and a re-probe keeps it.
 """
 
 from __future__ import annotations
@@ -16,12 +18,14 @@ import json
 import logging
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import psutil
 import torch
 
+from strata.comm.alpha_beta import CommModel
 from strata.config import DTYPES, cache_root
 from strata.cpuinfo import cpu_model_and_flags
 from strata.hardware import dtype_policy, measure
@@ -30,7 +34,8 @@ from strata.hardware.placement import default_threads
 from strata.hardware.profile import SCHEMA_VERSION, HardwareProfile
 
 # HardwareProfile (profile.py) and measure_mem_bandwidth (measure.py) are reached from here too
-__all__ = ["SCHEMA_VERSION", "HardwareProfile", "auto_dtype", "measure_mem_bandwidth", "probe"]
+__all__ = ["SCHEMA_VERSION", "HardwareProfile", "auto_dtype", "cached_comm_model", "measure_mem_bandwidth",
+           "probe", "profile_path", "save_comm_model"]
 
 logger = logging.getLogger(__name__)
 
@@ -163,14 +168,41 @@ def probe(device: str = "cpu", refresh: bool = False) -> HardwareProfile:
     """
     identity = _identity(resolve_device(device))
     path = _cache_path(identity)
-    if not refresh:
-        cached = _read_cache(path)
-        if cached is not None:
-            logger.debug("hardware profile from cache %s", path)
-            return cached
+    cached = _read_cache(path)
+    if cached is not None and not refresh:
+        logger.debug("hardware profile from cache %s", path)
+        return cached
     profile = _measure(identity)
+    if cached is not None and cached.comm_model:  # measured by strata bench comm: keep it
+        profile = replace(profile, comm_model=cached.comm_model)
     _write_cache(path, profile)
     return profile
+
+
+# ---------------------------------------------------------------- the comm model
+
+
+def profile_path(device: str = "cpu") -> Path:
+    """Where this device's profile is cached (probe() reads and writes it)."""
+    return _cache_path(_identity(resolve_device(device)))
+
+
+def cached_comm_model(device: str = "cpu") -> CommModel | None:
+    """The fitted collectives model in this device's cached profile; None when there is no cached
+    profile or it has none. Measures nothing (Communicator(cost=...) and `strata plan` use it)."""
+    cached = _read_cache(profile_path(device))
+    return cached.comm() if cached is not None else None
+
+
+def save_comm_model(device: str, model: CommModel) -> Path:
+    """Store `model` in the device's cached profile (probing it first if there is none), merged
+    with what it held: fits of (collective, transport, world size) not measured now are kept."""
+    profile = probe(device)
+    old = profile.comm()
+    merged = old.merged(model) if old is not None else model
+    path = profile_path(device)
+    _write_cache(path, replace(profile, comm_model=merged.to_json()))
+    return path
 
 
 # ---------------------------------------------------------------- dtype="auto"

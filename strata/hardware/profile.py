@@ -1,13 +1,17 @@
 """The HardwareProfile: one device's measured figures, and their JSON form (the probe's cache).
 
 probe.py measures and caches it, dtype_policy.py chooses a compute dtype from it, `strata hw`
-and `strata plan` read it.
+and `strata plan` read it. `comm_model` is the collectives' fitted alpha-beta model
+(strata/comm/alpha_beta.py) that `strata bench comm` adds to the cached profile; it is optional
+in the JSON, so profiles cached before it existed still load (with no comm model).
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
+
+from strata.comm.alpha_beta import CommModel
 
 SCHEMA_VERSION = 3  # 2: linear rates through Strata's dispatch; 3: + gemm/quant/dispatch/copy figures
 
@@ -38,10 +42,15 @@ class HardwareProfile:
     numpy_copy_gbs: float = 0.0  # numpy copyto, (read + write bytes) / time
     h2d_gbs: float = 0.0  # GPU: pinned host -> device copy, GB/s (0 on CPU)
     d2h_gbs: float = 0.0  # GPU: device -> pinned host copy, GB/s
+    comm_model: dict[str, Any] = field(default_factory=dict)  # CommModel.to_json(); {}: not measured
 
     def to_json(self) -> dict[str, Any]:
         """Plain-data form (JSON-serialisable)."""
         return {"schema": SCHEMA_VERSION, **asdict(self)}
+
+    def comm(self) -> CommModel | None:
+        """The fitted collectives model (`strata bench comm`), or None when never measured."""
+        return CommModel.from_json(self.comm_model)
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> HardwareProfile:
@@ -49,7 +58,7 @@ class HardwareProfile:
         if d.get("schema", SCHEMA_VERSION) != SCHEMA_VERSION:
             raise ValueError(f"hardware profile schema {d.get('schema')!r} != {SCHEMA_VERSION}")
         names = [f.name for f in fields(cls)]
-        missing = [n for n in names if n not in d]
+        missing = [n for n in names if n not in d and n not in OPTIONAL]
         if missing:
             raise ValueError(f"hardware profile lacks fields {missing}")
         return cls(
@@ -72,7 +81,21 @@ class HardwareProfile:
             numpy_copy_gbs=float(d["numpy_copy_gbs"]),
             h2d_gbs=float(d["h2d_gbs"]),
             d2h_gbs=float(d["d2h_gbs"]),
+            comm_model=_comm_model(d.get("comm_model")),
         )
+
+
+OPTIONAL = ("comm_model",)  # may be absent from a cached profile
+
+
+def _comm_model(d: Any) -> dict[str, Any]:
+    """The stored model, validated by parsing it (a bad one raises ValueError like any field)."""
+    if not d:
+        return {}
+    if not isinstance(d, dict):
+        raise ValueError(f"hardware profile comm_model: expected an object, got {type(d).__name__}")
+    CommModel.from_json(d)
+    return dict(d)
 
 
 def _rates(d: dict[str, Any]) -> dict[str, float]:

@@ -19,6 +19,7 @@ import traceback
 
 import zmq
 
+from strata.engine.parallel import RankDied
 from strata.server import faults, procs
 from strata.server.protocol import decode, encode, params_from_dict
 
@@ -33,6 +34,7 @@ class EngineLoop:
         self.pull, self.push = pull, push
         self.sent: dict[tuple[str, int], int] = {}  # (request, completion index) -> tokens sent
         self.running = True
+        self.failed = False  # the engine cannot go on (a tensor-parallel rank died)
         self._last_stats = 0.0
 
     # --- inbound ---------------------------------------------------------------------------
@@ -125,6 +127,10 @@ class EngineLoop:
             if eng.has_unfinished():
                 try:
                     outputs = eng.step()
+                except RankDied as e:  # tensor parallelism lost a rank: this engine is done
+                    logger.error("%s; exiting, so that the server restarts the engine", e)
+                    self.failed, self.running = True, False
+                    break
                 except Exception:
                     errors += self._fail_batch(traceback.format_exc())
             deltas, done = self.deltas(outputs)
@@ -197,10 +203,12 @@ def main(argv: list[str] | None = None) -> int:
         loop.run()
     except KeyboardInterrupt:
         pass
+    finally:
+        engine.close()  # with tensor parallelism: the other ranks stop too
     push.close(linger=1000)
     pull.close(linger=0)
     ctx.term()
-    return 0
+    return 1 if loop.failed else 0
 
 
 if __name__ == "__main__":

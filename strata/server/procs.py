@@ -17,7 +17,6 @@ together, bound to their parent's life, and restarted within a budget.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import re
 import shutil
@@ -26,14 +25,14 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections import deque
 from pathlib import Path
 
 from strata.errors import StrataError
+from strata.hardware import processes
 
-PARENT_ENV = "STRATA_PARENT_PID"
+PARENT_ENV = processes.PARENT_ENV
 _STALE = re.compile(r"^strata-(\d+)-")
 
 
@@ -122,30 +121,8 @@ def describe_exit(code: int | None) -> str:
     return f"exit code {code}"
 
 
-# --- the child's side ---------------------------------------------------------------------------
-PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent(poll_seconds: float = 0.5) -> None:
-    """In a child: exit as soon as the process that spawned us (STRATA_PARENT_PID) is gone."""
-    want = os.environ.get(PARENT_ENV)
-    if not want:
-        return  # started by hand, not by the server
-    parent = int(want)
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent:  # the parent died before prctl took effect
-        os._exit(1)
-
-    def watch() -> None:
-        while True:
-            time.sleep(poll_seconds)
-            if os.getppid() != parent:
-                os._exit(1)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+# --- the child's side: hardware/processes.py (engine ranks use it too) ---------------------------
+die_with_parent = processes.die_with_parent
 
 
 # --- the HTTP port ------------------------------------------------------------------------------

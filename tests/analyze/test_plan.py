@@ -199,11 +199,13 @@ def test_prefill_formula(cpu_profile) -> None:
     assert prefill(shape, dev, 5000, 2048).chunks == 3
 
 
-def test_bad_requests() -> None:
+def test_bad_requests(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("STRATA_CACHE", str(tmp_path))  # no cached profile, so no comm model
     with pytest.raises(ConfigError, match="H100-SXM"):
         build_plan(PlanRequest(model="tiny", hardware="B9000"))
-    with pytest.raises(ConfigError, match="one device"):
+    with pytest.raises(ConfigError, match="one device.*strata bench comm --world-size 2"):
         build_plan(PlanRequest(model="tiny", hardware="thisx2"))
+    assert not list(tmp_path.iterdir())  # refused before probing anything
     with pytest.raises(ConfigError, match="max_position_embeddings"):
         build_plan(PlanRequest(model="tiny", hardware="L4", max_model_len=10**6))
     with pytest.raises(ConfigError, match="no bfloat16 figure"):
@@ -215,3 +217,57 @@ def test_does_not_fit_is_reported(tmp_path) -> None:
                                   dtype="float16", max_model_len=8192, batch=4))
     assert not plan.memory.fits and plan.memory.error
     assert plan.best is None
+
+
+def _comm_model():
+    from strata.comm.alpha_beta import CommModel, fit, model_seconds
+
+    sizes = [8 * 4**k for k in range(10)]
+    shm = fit("all_reduce", "shm", 2, sizes, [model_seconds("shm", s, 2, 9e-6, 23e9) for s in sizes])
+    gloo = fit("all_reduce", "gloo", 2, sizes, [model_seconds("ring", s, 2, 112e-6, 2.5e9) for s in sizes])
+    return CommModel((shm, gloo), source="strata bench comm --world-size 2", measured_at="2026-01-01")
+
+
+def test_this_tp_priced_from_the_fitted_comm_model(cpu_profile) -> None:
+    """thisx2 with a measured comm model in the profile: TP all-reduces priced from the fit
+    (SHM and gloo; the cheaper taken), the CPU host's rates shared by the ranks, and said so."""
+    import dataclasses
+
+    model = _comm_model()
+    profile = dataclasses.replace(cpu_profile, comm_model=model.to_json())
+    req = PlanRequest(model="tiny", hardware="thisx2", dtype="float32", max_model_len=256, batch=4,
+                      kv_cache_memory=2**22)
+    plan = build_plan(req, profile=profile, overhead=StepOverhead.zero())
+    dev = plan.device
+    assert dev.count == 2 and dev.comm == model and dev.link == "measured gloo/shm"
+    one = this_device(cpu_profile, torch.float32, None)
+    assert dev.stream_gbs == pytest.approx(one.stream_gbs / 2)
+    assert dev.memory_bytes == cpu_profile.memory_bytes // 2
+    assert [o.tp for o in plan.tp_options] == [1, 2]
+    tp2 = plan.tp_options[1]
+    nbytes, layers = 128 * 4, 2  # tiny: hidden 128, fp32; 2 layers
+    shm, gloo = model.get("all_reduce", "shm"), model.get("all_reduce", "gloo")
+    assert tp2.comm_tree_s == pytest.approx(2 * layers * shm.predict(nbytes, 2))  # ~9 us each
+    assert tp2.comm_ring_s == pytest.approx(2 * layers * gloo.predict(nbytes, 2))  # ~224 us each
+    step = decode_step(ModelShape.of(resolve_model("tiny")[0], torch.float32, None, 64), dev, 1, 256, 2)
+    assert step.comm_s == pytest.approx(tp2.comm_tree_s)  # the cheaper: SHM
+    assert any("fitted on this machine" in n and "not a datasheet" in n for n in plan.notes)
+    assert any("'comm tree' column = the shared-memory" in n for n in plan.notes)
+    # the datasheet formula is not what priced it
+    datasheet = allreduce_seconds(nbytes, 2, dev.link_gbs, dev.alpha_s)
+    assert tp2.comm_ring_s != pytest.approx(2 * layers * datasheet["ring"])
+    # one device of this machine: no TP rows, and a note that the model exists
+    solo = build_plan(dataclasses.replace(req, hardware="this"), profile=profile, overhead=StepOverhead.zero())
+    assert [o.tp for o in solo.tp_options] == [1] and any("thisxN" in n for n in solo.notes)
+    # the comm model extrapolates to n=4 with the formulas (and says so)
+    four = build_plan(dataclasses.replace(req, hardware="thisx4"), profile=profile, overhead=StepOverhead.zero())
+    assert [o.tp for o in four.tp_options] == [1, 2, 4]
+    assert any("extrapolated to n=4" in n for n in four.notes)
+    assert four.tp_options[2].comm_ring_s == pytest.approx(2 * layers * gloo.predict(nbytes, 4))
+
+
+def test_datasheet_targets_ignore_this_machines_comm_model(tmp_path) -> None:
+    plan = build_plan(PlanRequest(model=str(_write(tmp_path, PUBLIC[1][0])), hardware="h100x8",
+                                  dtype="bfloat16", max_model_len=8192, batch=8))
+    assert plan.device.comm is None
+    assert not any("strata bench comm" in n for n in plan.notes)

@@ -1,0 +1,137 @@
+"""The alpha-beta model: formulas, the least-squares fit on synthetic points, JSON, the choice of
+the cheapest transport, and the comm model's place in the hardware profile."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import replace
+
+import pytest
+
+from strata.comm.alpha_beta import (
+    FORMULAS,
+    CommModel,
+    Fit,
+    bus_bandwidth,
+    fit,
+    model_seconds,
+)
+
+SIZES = [8 * 4**k for k in range(12)]  # 8 B .. 32 MiB
+
+
+@pytest.mark.parametrize("algorithm", sorted(FORMULAS))
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_fit_recovers_known_alpha_beta(algorithm: str, n: int) -> None:
+    alpha, beta = 7e-6, 12e9
+    times = [model_seconds(algorithm, s, n, alpha, beta) for s in SIZES]
+    f = fit("all_reduce", "x", n, SIZES, times, algorithm)
+    assert f.alpha_s == pytest.approx(alpha, rel=1e-6)
+    assert f.beta_bps == pytest.approx(beta, rel=1e-6)
+    assert max(abs(e) for e in f.rel_errors()) < 1e-6
+
+
+def test_fit_with_noise_and_bounds() -> None:
+    rng = random.Random(0)
+    alpha, beta = 150e-6, 2.5e9
+    times = [model_seconds("ring", s, 2, alpha, beta) * (1 + rng.uniform(-0.05, 0.05)) for s in SIZES]
+    f = fit("all_reduce", "gloo", 2, SIZES, times)
+    assert f.algorithm == "ring"
+    assert f.alpha_s == pytest.approx(alpha, rel=0.1) and f.beta_bps == pytest.approx(beta, rel=0.1)
+    assert max(abs(e) for e in f.rel_errors()) < 0.12
+    # pure bandwidth: alpha stays >= 0; pure latency: beta stays finite and positive
+    bw = fit("all_reduce", "shm", 2, SIZES, [s / 1e10 for s in SIZES])
+    assert bw.alpha_s == pytest.approx(0.0, abs=1e-12) and bw.beta_bps == pytest.approx(1e10 * 4, rel=1e-6)
+    flat = fit("broadcast", "gloo", 2, SIZES[:3], [1e-4, 1e-4 * 0.98, 1e-4 * 0.97])
+    assert flat.alpha_s > 0 and flat.beta_bps > 0 and all(abs(e) < 0.05 for e in flat.rel_errors())
+    with pytest.raises(ValueError):
+        fit("all_reduce", "shm", 2, [8], [])
+
+
+def test_formulas_and_bus_bandwidth() -> None:
+    a, b, s = 5e-6, 100e9, 1e6
+    assert model_seconds("ring", s, 8, a, b) == pytest.approx(2 * 7 * a + 2 * 7 / 8 * s / b)
+    assert model_seconds("tree", s, 8, a, b) == pytest.approx(3 * a + 3 * s / b)
+    assert model_seconds("shm", s, 4, a, b) == pytest.approx(a + 6 * s / b)
+    assert model_seconds("ring_gather", s, 4, a, b) == pytest.approx(3 * a + 0.75 * s / b)
+    assert model_seconds("tree_bcast", s, 5, a, b) == pytest.approx(3 * a + s / b)
+    assert model_seconds("ring", s, 1, a, b) == 0.0
+    alg, bus = bus_bandwidth("all_reduce", 1e6, 1e-3, 4)
+    assert alg == pytest.approx(1e9) and bus == pytest.approx(1e9 * 2 * 3 / 4)
+    assert bus_bandwidth("all_gather", 1e6, 1e-3, 4)[1] == pytest.approx(0.75e9)
+    assert bus_bandwidth("broadcast", 1e6, 1e-3, 4)[1] == pytest.approx(1e9)
+
+
+def _model() -> CommModel:
+    shm = fit("all_reduce", "shm", 2, SIZES, [model_seconds("shm", s, 2, 9e-6, 20e9) for s in SIZES])
+    gloo = fit("all_reduce", "gloo", 2, SIZES, [model_seconds("ring", s, 2, 110e-6, 2.5e9 * 1000) for s in SIZES])
+    return CommModel((shm, gloo), host="h", measured_at="2026-01-01")
+
+
+def test_best_transport_and_crossover() -> None:
+    from strata.bench.comm import crossover
+
+    m = _model()
+    assert m.best("all_reduce", 64 * 1024, 2)[0] == "shm"
+    assert m.best("all_reduce", 2**30, 2)[0] == "gloo"  # a (fictitious) very fast gloo wins big messages
+    x = crossover(m, 2)
+    shm, gloo = m.get("all_reduce", "shm", 2), m.get("all_reduce", "gloo", 2)
+    assert shm.predict(x * 0.95) < gloo.predict(x * 0.95) and shm.predict(x * 1.05) > gloo.predict(x * 1.05)
+    assert m.best("all_reduce", 64, 2, ["gloo"])[0] == "gloo"
+    assert m.best("broadcast", 64, 2) is None and m.predict("broadcast", "gloo", 64, 2) is None
+    # another n: the nearest fit, scaled by the formula
+    assert m.predict("all_reduce", "gloo", 1e6, 4) == pytest.approx(model_seconds("ring", 1e6, 4, gloo.alpha_s, gloo.beta_bps))
+
+
+def test_json_round_trip_and_merge() -> None:
+    m = _model()
+    back = CommModel.from_json(json.loads(json.dumps(m.to_json())))
+    assert back == m
+    assert CommModel.from_json(None) is None and CommModel.from_json({}) is None
+    with pytest.raises(ValueError):
+        CommModel.from_json({"version": 99, "fits": []})
+    bad = m.to_json()
+    bad["fits"][0]["algorithm"] = "butterfly"
+    with pytest.raises(ValueError):
+        CommModel.from_json(bad)
+    newer = CommModel((replace(m.fits[0], alpha_s=1e-6),
+                       Fit("all_reduce", "shm", "shm", 4, 2e-6, 1e10)), measured_at="2026-02-02")
+    merged = m.merged(newer)
+    keys = sorted((f.transport, f.world_size, f.alpha_s) for f in merged.fits)
+    assert keys == [("gloo", 2, m.fits[1].alpha_s), ("shm", 2, 1e-6), ("shm", 4, 2e-6)]
+    assert merged.measured_at == "2026-02-02"
+    assert merged.get("all_reduce", "shm", 3).world_size == 4  # nearest n, ties to the larger
+    assert math.isfinite(merged.predict("all_reduce", "shm", 1e6, 8))
+
+
+def test_profile_stores_and_loads_comm_model(tmp_path, monkeypatch) -> None:
+    from strata.hardware import probe as probe_mod
+    from strata.hardware.profile import HardwareProfile
+
+    monkeypatch.setenv("STRATA_CACHE", str(tmp_path))
+    base = HardwareProfile(device="cpu", name="synthetic", cores=2, threads=2, isa=[], memory_bytes=2**34,
+                           mem_bandwidth_gbs=30.0, linear_gbs={"float32": 20.0},
+                           matmul_gflops={"float32": 50.0}, torch_version="x")
+    # a profile cached before the comm model existed (no "comm_model" key) still loads
+    old = base.to_json()
+    del old["comm_model"]
+    loaded = HardwareProfile.from_json(old)
+    assert loaded.comm() is None and loaded == base
+    path = probe_mod.profile_path("cpu")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(old))
+    assert probe_mod.cached_comm_model("cpu") is None
+    assert probe_mod.save_comm_model("cpu", _model()) == path
+    assert probe_mod.cached_comm_model("cpu") == _model()
+    stored = json.loads(path.read_text())
+    assert stored["name"] == "synthetic" and stored["comm_model"]["fits"][0]["transport"] == "shm"
+    # a re-probe keeps the measured comm model
+    monkeypatch.setattr(probe_mod, "_measure", lambda identity: replace(base, name="re-measured"))
+    again = probe_mod.probe("cpu", refresh=True)
+    assert again.name == "re-measured" and again.comm() == _model()
+    # a corrupt comm model makes the cache unreadable like any bad field (re-measured, not crashed)
+    stored["comm_model"] = {"version": 1, "fits": [{"algorithm": "nope"}]}
+    with pytest.raises((ValueError, KeyError)):
+        HardwareProfile.from_json(stored)
