@@ -150,6 +150,19 @@ for variant in eager --compile --cuda-graphs; do
     done
 done
 
+# --- 4b. tensor parallelism (NCCL) -------------------------------------------------------------------
+NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+if [ "$NGPU" -ge 2 ]; then
+    run "comm-nccl" 300 "${STRATA[@]}" bench comm --world-size "$NGPU" --backend nccl --json "$OUT_DIR/comm-nccl.json"
+    for tp in 1 2; do
+        run "latency-qwen-tp$tp" 300 "${STRATA[@]}" bench latency --random-model qwen-0.5b "${COMMON[@]}" \
+            --batch 1 --input-len 128 --output-len 128 --tensor-parallel-size "$tp" --json "$OUT_DIR/latency-qwen-tp$tp.json"
+    done
+else
+    say "tensor parallelism: needs two GPUs, this machine has $NGPU (NCCL ranks need a GPU each); running the host's comm bench (shm/gloo) instead"
+    run "comm-host" 180 "${STRATA[@]}" bench comm --world-size 2 --backend auto --json "$OUT_DIR/comm-host.json"
+fi
+
 # --- 5. summary ---------------------------------------------------------------------------------
 say "total: $((SECONDS - START))s; $([ "$FAILED" -eq 0 ] && echo 'everything passed' || echo 'SOMETHING FAILED: see above')"
 say "summary: $SUMMARY"

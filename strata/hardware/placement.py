@@ -80,10 +80,23 @@ def set_compute_threads(n: int | None) -> int:
         raise ConfigError(
             f"threads={n!r}: must be a positive integer or None (one per physical core)"
         )
+    _launch_numba_pool(n)
     torch.set_num_threads(n)
     used = torch.get_num_threads()
     logger.debug("torch compute threads set to %d", used)
     return used
+
+
+def _launch_numba_pool(n: int) -> None:
+    """Start numba's thread pool now, before torch's count is set: with the OpenMP threading layer
+    the pool's launch sets the OpenMP thread count (which torch shares and reads) to numba's
+    NUMBA_NUM_THREADS, so a later first kernel would silently undo `n` (measured: a rank pinned to
+    one core then ran 2 threads there and its GEMVs took 30x longer)."""
+    try:
+        import numba
+    except ImportError:
+        return
+    numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
 
 
 @dataclass
