@@ -105,13 +105,14 @@ class Communicator:
         if self.shm_state != "not set up":
             return self._shm is not None
         self._shm, why = shm_mod.setup(self.rank, self.world_size, self.shm_slot_bytes, self.timeout_s,
-                                       self.broadcast_bytes, self._all_min)
+                                       self.broadcast_bytes, self.all_min)
         self.shm_state = "on" if self._shm is not None else f"off: {why}"
         if self._shm is None:
             logger.info("shared-memory all-reduce off (%s); gloo instead", why)
         return self._shm is not None
 
-    def _all_min(self, v: int) -> int:
+    def all_min(self, v: int) -> int:
+        """The smallest of every rank's `v` (ranks agreeing on a size)."""
         t = torch.tensor([v], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.meta_group)
         return int(t.item())
@@ -220,7 +221,7 @@ class Communicator:
         return bytes(buf.numpy())
 
     def barrier(self) -> None:
-        self._all_min(0)
+        self.all_min(0)
 
     def close(self) -> None:
         """Unmap the SHM region (the file itself is already gone). Later all_reduces use gloo."""

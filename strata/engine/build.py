@@ -315,7 +315,7 @@ def _build(config: EngineConfig, ckpt: Checkpoint, detokenize: bool, threads: in
 
         model = shard(model, ranks, comm)
         rank_cfg = per_rank_config(cfg, ranks.world.world_size)
-        agree = ranks.min_int
+        agree = control.all_min
     plan, blocks, kv_caches = kv_memory(config, rank_cfg, dtype, max_len, agree)
     backend = select_backend(config.attention_backend, config.device, dtype)
     forward, fusion = fuse(model, config)

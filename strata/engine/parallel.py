@@ -23,7 +23,6 @@ import sys
 from dataclasses import asdict, dataclass, field
 
 import msgspec
-import torch
 import torch.distributed as dist
 
 from strata.comm.world import World, destroy_world, init_world, local_world
@@ -146,12 +145,6 @@ class Ranks:
                 [sys.executable, "-m", "strata.engine.tp_worker", "--config", cfg], env=env,
                 stdin=subprocess.DEVNULL,
             ))
-
-    def min_int(self, value: int) -> int:
-        """The smallest of every rank's `value` (ranks agreeing on a size, e.g. KV blocks)."""
-        t = torch.tensor([value], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.control)
-        return int(t.item())
 
     def check_alive(self) -> None:
         for r, p in enumerate(self.procs, 1):

@@ -62,7 +62,7 @@ from strata.graph.tensor_parallel_layers import (
     row_parallel,
     vocab_rows,
 )
-from strata.memory.arena import arena_tensors
+from strata.memory.arena import rehome_in_arena
 from strata.memory.quant import QuantEmbedding
 from strata.model_config import ModelConfig
 
@@ -216,31 +216,6 @@ def _shard_vocab(model: CausalLM, spec: ShardSpec, comm: Comm) -> None:
     model.embed_tokens = VocabParallelEmbedding(new_embed, spec.vocab_start, spec.vocab_real, comm)
 
 
-def _to_fresh_arena(model: nn.Module, align: int = 64) -> None:
-    """Re-home every parameter and persistent buffer in one new arena (memory/arena.py), so the
-    loader's (or quantisation's) arena holding the full weights is released; shared tensors stay
-    shared (one new Parameter per old one)."""
-    entries = []
-    for module in model.modules():
-        for name, p in module.named_parameters(recurse=False):
-            entries.append((module, name, p, True))
-        for name, b in module.named_buffers(recurse=False):
-            if name not in module._non_persistent_buffers_set:
-                entries.append((module, name, b, False))
-    unique = list({id(t): t for _, _, t, _ in entries}.values())
-    if not unique or any(t.device.type != "cpu" for t in unique):
-        return  # on a GPU every slice is already its own allocation
-    new: dict[int, torch.Tensor] = {}
-    for t, view in zip(unique, arena_tensors([(t.shape, t.dtype) for t in unique], align)):
-        view.copy_(t)
-        new[id(t)] = nn.Parameter(view, requires_grad=False) if isinstance(t, nn.Parameter) else view
-    for module, name, t, is_param in entries:
-        if is_param:
-            setattr(module, name, new[id(t)])
-        else:
-            module._buffers[name] = new[id(t)]
-
-
 def shard_model(model: CausalLM, rank: int, world_size: int, comm: Comm) -> CausalLM:
     """Keep rank `rank`'s share of every weight of `model` (in place; returned). Runs on every
     rank over the same built model (after quantize_model, before fusion or capture). Everything is
@@ -268,7 +243,7 @@ def shard_model(model: CausalLM, rank: int, world_size: int, comm: Comm) -> Caus
             _shard_attention(layer.self_attn, spec, comm)
             _shard_mlp(layer.mlp, spec, comm)
         _shard_vocab(model, spec, comm)
-        _to_fresh_arena(model)
+        rehome_in_arena(model)
     model.config = per_rank_config(cfg, world_size)
     model.tensor_parallel = spec
     model.full_config = cfg

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from torch import nn
 
 
 def arena_tensors(specs: list[tuple[torch.Size, torch.dtype]], align: int = 64) -> list[torch.Tensor]:
@@ -26,3 +27,28 @@ def arena_tensors(specs: list[tuple[torch.Size, torch.dtype]], align: int = 64) 
         out.append(arena[offset : offset + n].view(dtype).view(shape))
         offset += size
     return out
+
+
+def rehome_in_arena(model: nn.Module, align: int = 64) -> None:
+    """Copy every parameter and persistent buffer of `model` into one new arena, so the arena
+    holding the old (full, or unquantised) weights is released; shared tensors stay shared (one
+    new Parameter per old one). Quantisation and tensor-parallel sharding both end with it."""
+    entries = []
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            entries.append((module, name, p, True))
+        for name, b in module.named_buffers(recurse=False):
+            if name not in module._non_persistent_buffers_set:
+                entries.append((module, name, b, False))
+    unique = list({id(t): t for _, _, t, _ in entries}.values())
+    if not unique or any(t.device.type != "cpu" for t in unique):
+        return  # on a GPU every slice is already its own allocation
+    new: dict[int, torch.Tensor] = {}
+    for t, view in zip(unique, arena_tensors([(t.shape, t.dtype) for t in unique], align)):
+        view.copy_(t)
+        new[id(t)] = nn.Parameter(view, requires_grad=False) if isinstance(t, nn.Parameter) else view
+    for module, name, t, is_param in entries:
+        if is_param:
+            setattr(module, name, new[id(t)])
+        else:
+            module._buffers[name] = new[id(t)]

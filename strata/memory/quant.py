@@ -26,7 +26,7 @@ from torch import nn
 
 from strata.kernels import quant_formats
 from strata.kernels.linear import quant_linear, quant_swiglu
-from strata.memory.arena import arena_tensors
+from strata.memory.arena import rehome_in_arena
 
 logger = logging.getLogger(__name__)
 
@@ -134,36 +134,6 @@ class QuantEmbedding(nn.Module):
         return rows.view(*ids.shape, head.in_features)
 
 
-def _to_arena(model: nn.Module, align: int = 64) -> None:
-    """Copy every parameter and persistent buffer into one fresh arena (memory/arena.py)."""
-    tensors: list[tuple[nn.Module, str, torch.Tensor, bool]] = []
-    seen: set[int] = set()
-    for module in model.modules():
-        for name, p in module.named_parameters(recurse=False):
-            tensors.append((module, name, p, True))
-        for name, b in module.named_buffers(recurse=False):
-            if name not in module._non_persistent_buffers_set:
-                tensors.append((module, name, b, False))
-    unique = []
-    for _, _, t, _ in tensors:
-        if id(t) not in seen:
-            seen.add(id(t))
-            unique.append(t)
-    if any(t.device.type != "cpu" for t in unique):
-        return
-    views = arena_tensors([(t.shape, t.dtype) for t in unique], align)
-    moved: dict[int, torch.Tensor] = {}
-    for t, view in zip(unique, views):
-        view.copy_(t)
-        moved[id(t)] = view
-    for module, name, t, is_param in tensors:
-        new = moved[id(t)]
-        if is_param:
-            setattr(module, name, nn.Parameter(new, requires_grad=False))
-        else:
-            module._buffers[name] = new
-
-
 def _release_heap() -> None:
     """Hand the quantisation temporaries back to the OS (glibc keeps freed heap otherwise: ~0.4
     GiB for qwen-0.5b), so free memory, and with it the KV cache, is measured without them."""
@@ -203,7 +173,7 @@ def quantize_model(model: nn.Module, method: str, group_size: int = 64) -> nn.Mo
             model.embed_tokens = QuantEmbedding(model.lm_head, dtype)
     if fallback:
         logger.warning("int4: %d projection(s) have no group size dividing their columns; kept int8", fallback)
-    _to_arena(model)
+    rehome_in_arena(model)
     _release_heap()
     logger.info("quantized the dense projections to %s%s%s", method,
                 f" (group size {group_size})" if method == "int4" else "",
