@@ -205,6 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
     from strata.analyze import analyze_cli as analyze_cmd  # `strata analyze`
 
     analyze_cmd.register(sub)
+    from strata.train import cli as train_cli  # `strata train`
+
+    train_cli.register(sub)
     return parser
 
 
@@ -233,7 +236,9 @@ def main(argv: list[str] | None = None) -> int:
     import signal
 
     try:
+        argv = list(sys.argv[1:] if argv is None else argv)
         args = build_parser().parse_args(argv)
+        args.raw_argv = argv  # a command that re-launches itself (strata train's local ranks) needs it
         logging.basicConfig(
             level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
         )

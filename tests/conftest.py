@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, settings
 
 # Fixture modules of subdirectories (plain modules, not conftest.py files: a second module named
 # conftest would shadow this one for the tests that `from conftest import ...`).
-pytest_plugins = ["tests.server.serverproc", "tests.analyze.profiles"]
+pytest_plugins = ["tests.server.serverproc", "tests.analyze.profiles", "tests.train.train_fixtures"]
 
 settings.register_profile(
     "strata",

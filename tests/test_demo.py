@@ -40,8 +40,8 @@ def test_checkpoint_files_and_config(demo_path: Path) -> None:
     config = json.loads((demo_path / "config.json").read_text())
     tok = Tokenizer.from_dir(demo_path)
     assert config["architectures"] == ["LlamaForCausalLM"]
-    assert (config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]) == (256, 704, 4)
-    assert (config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]) == (8, 4, 32)
+    assert (config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]) == (384, 1024, 6)
+    assert (config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]) == (6, 2, 64)
     assert config["vocab_size"] == tok.vocab_size == 4160 and config["vocab_size"] % 64 == 0
     assert config["tie_word_embeddings"] is True and config["torch_dtype"] == "float32"
     assert config["bos_token_id"] == tok.bos_token_id
@@ -57,7 +57,7 @@ def test_weights_names_shapes_and_init(demo_path: Path) -> None:
     config = json.loads((demo_path / "config.json").read_text())
     assert {k: tuple(v.shape) for k, v in weights.items()} == demo_model.weight_shapes(config)
     assert "lm_head.weight" not in weights
-    assert weights["model.layers.0.self_attn.k_proj.weight"].shape == (128, 256)
+    assert weights["model.layers.0.self_attn.k_proj.weight"].shape == (128, 384)
     for name, w in weights.items():
         assert w.dtype == torch.float32
         if name.endswith("norm.weight"):
@@ -84,7 +84,7 @@ def test_concurrent_callers_get_one_complete_checkpoint(cache: Path) -> None:
         paths = list(pool.map(lambda _: demo_model_path(), range(4)))
     assert paths == [cache / "demo-v1"] * 4
     assert [p.name for p in cache.iterdir()] == ["demo-v1"]  # no temp dirs left behind
-    assert load_file(cache / "demo-v1" / "model.safetensors")["model.norm.weight"].shape == (256,)
+    assert load_file(cache / "demo-v1" / "model.safetensors")["model.norm.weight"].shape == (384,)
 
 
 def test_incomplete_checkpoint_is_rebuilt(cache: Path) -> None:
@@ -130,14 +130,19 @@ def test_transformers_loads_model_and_tokenizer(demo_path: Path) -> None:
 
 
 def test_shipped_tokenizer_is_reproducible() -> None:
-    files = train_tokenizer.render(train_tokenizer.DEMO_DIR / "corpus.txt")
+    files = train_tokenizer.render(train_tokenizer.CORPUS_DIR)
     for name, text in files.items():
         assert (train_tokenizer.DEMO_DIR / name).read_text(encoding="utf-8") == text, f"rerun train_tokenizer: {name}"
     assert train_tokenizer.main(["--check"]) == 0
 
 
-def test_corpus_is_varied_text() -> None:
-    corpus = resources.files("strata.demo").joinpath("corpus.txt").read_text(encoding="utf-8")
-    assert 40_000 <= len(corpus.encode("utf-8")) <= 80_000
-    for needle in ("café", "naïve", "東京", "🚀", "2,077"):
-        assert needle in corpus
+def test_corpus_is_the_documented_public_domain_texts() -> None:
+    root = train_tokenizer.CORPUS_DIR.parent
+    readme = (root / "README.md").read_text(encoding="utf-8")
+    assert "public domain" in readme and "CC BY 2.5" in readme
+    train, heldout = sorted(root.glob("train/*.txt")), sorted(root.glob("heldout/*.txt"))
+    assert len(train) == 40 and len(heldout) == 2
+    assert not {p.name for p in train} & {p.name for p in heldout}  # held out means never trained on
+    for f in train + heldout:
+        assert f"| {f.name} |" in readme, f"{f.name} is not listed with its source in data/shakespeare/README.md"
+    assert 4_000_000 <= sum(f.stat().st_size for f in train) <= 6_000_000

@@ -18,6 +18,9 @@ PLAN_EPILOG = """examples:
   strata plan --model ./Llama-3-8B --hardware H100x8 --max-model-len 8192 --batch 256 --price-per-hour 24
   strata plan --model ./qwen/config.json --hardware L4 --quantization int4 --html plan.html
   strata plan --model qwen-0.5b --hardware this --dtype float32 --input-len 512 --context 192 --batch 16
+  strata plan --train --model smol-135m --seq-len 1024 --micro-batch-size 8 --activation-checkpointing full
+  strata plan --train --model demo --seq-len 128 --micro-batch-size 4 --measure   # predicted vs a real run
+  strata plan --train --model ./Llama-3-8B --hardware H100x8 --distributed fsdp --precision bfloat16
 """
 
 
@@ -32,7 +35,37 @@ def cmd_hw(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train_plan(args: argparse.Namespace) -> int:
+    from strata.analyze.train_plan import (
+        TrainPlanRequest,
+        build_train_plan,
+        format_train_plan,
+        measure,
+    )
+
+    req = TrainPlanRequest(
+        model=args.model, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size,
+        precision=args.precision, activation_checkpointing=args.activation_checkpointing,
+        ac_every=args.ac_every, world_size=args.world_size, distributed=args.distributed,
+        device=args.device, hardware=args.hardware, ddp_bucket_mb=args.ddp_bucket_mb,
+        loss_chunk_tokens=args.loss_chunk_tokens,
+    )
+    plan = build_train_plan(req)
+    if args.measure:
+        if args.hardware.lower() != "this":
+            print("error: --measure runs on this machine; drop --hardware", file=sys.stderr)
+            return 2
+        plan = measure(plan, args.threads)
+    if args.json:
+        print(json.dumps(plan.to_json(), indent=2, default=str))
+    else:
+        print(format_train_plan(plan))
+    return 0
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
+    if args.train:
+        return cmd_train_plan(args)
     from strata.analyze.plan import PlanRequest, build_plan
     from strata.analyze.plan_report import format_html, format_text
     from strata.config import parse_bytes
@@ -95,4 +128,32 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--refresh", action="store_true", help="this: re-measure the hardware and step overhead")
     p.add_argument("--html", default=None, metavar="FILE", help="also write a self-contained HTML page")
     p.add_argument("--json", action="store_true", help="print JSON instead of the text report")
+    _add_train_flags(p)
     p.set_defaults(func=cmd_plan)
+
+
+def _add_train_flags(p: argparse.ArgumentParser) -> None:
+    """`strata plan --train`: the training run's memory per rank (flags as `strata train`'s)."""
+    from strata.train.config import ACTIVATION_CHECKPOINTING, DISTRIBUTED, PRECISIONS, TrainConfig
+
+    d = TrainConfig()
+    g = p.add_argument_group("training memory (--train; see strata/train/memory_plan.py)")
+    g.add_argument("--train", action="store_true",
+                   help="plan a training run's memory per rank instead of serving")
+    g.add_argument("--seq-len", type=int, default=d.seq_len, help=f"training sequence length (default {d.seq_len})")
+    g.add_argument("--micro-batch-size", type=int, default=d.micro_batch_size,
+                   help=f"sequences per forward per rank (default {d.micro_batch_size})")
+    g.add_argument("--precision", default=d.precision, choices=PRECISIONS,
+                   help="autocast dtype, as strata train (default auto)")
+    g.add_argument("--activation-checkpointing", default=d.activation_checkpointing,
+                   choices=ACTIVATION_CHECKPOINTING, help="as strata train (default none)")
+    g.add_argument("--ac-every", type=int, default=d.ac_every, help=f"selective: every k-th layer (default {d.ac_every})")
+    g.add_argument("--world-size", type=int, default=None, help="data-parallel ranks (default: the --hardware count)")
+    g.add_argument("--distributed", default=d.distributed, choices=DISTRIBUTED, help="ddp or fsdp (default ddp)")
+    g.add_argument("--ddp-bucket-mb", type=float, default=d.ddp_bucket_mb, help="DDP gradient bucket size")
+    g.add_argument("--loss-chunk-tokens", type=int, default=d.loss_chunk_tokens,
+                   help="as strata train: LM head + loss over this many tokens at a time (default 0 = off)")
+    g.add_argument("--device", default=d.device, help="this machine's training device (default cpu)")
+    g.add_argument("--measure", action="store_true",
+                   help="also run strata train for 3 steps with these settings and compare its peak")
+    g.add_argument("--threads", type=int, default=None, help="--measure: torch threads of the training run")

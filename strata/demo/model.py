@@ -32,11 +32,11 @@ INIT_STD = 0.02
 BOS_TOKEN = "<|begin_of_text|>"
 EOS_TOKENS = ("<|end_of_text|>", "<|eot_id|>")
 ARCHITECTURE: dict[str, Any] = {
-    "hidden_size": 256,
-    "intermediate_size": 704,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 4,
+    "hidden_size": 384,
+    "intermediate_size": 1024,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 6,
+    "num_key_value_heads": 2,
     "max_position_embeddings": 2048,
     "rope_theta": 10000.0,
     "rms_norm_eps": 1e-5,

@@ -1,10 +1,11 @@
-"""Train the demo model's byte-level BPE tokenizer on the bundled corpus.
+"""Train the demo model's byte-level BPE tokenizer on the repository's Shakespeare corpus.
 
-The outputs (tokenizer.json, tokenizer_config.json) ship in the repo; this script
+The outputs (tokenizer.json, tokenizer_config.json) ship in the package; this script
 exists so they can be rebuilt and checked. Training is deterministic: running it
 again produces byte-identical files (`--check` verifies that without writing).
+The corpus (data/shakespeare/train/, see its README) lives in the repository, not the wheel.
 
-    python -m strata.demo.train_tokenizer [--check]
+    python -m strata.demo.train_tokenizer [--corpus DIR] [--check]
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 logger = logging.getLogger(__name__)
 
 DEMO_DIR = Path(__file__).resolve().parent
+CORPUS_DIR = DEMO_DIR.parents[1] / "data" / "shakespeare" / "train"
 BPE_VOCAB_SIZE = 4096  # byte alphabet + merges; special tokens come after, Llama-3 style
 BOS_TOKEN = "<|begin_of_text|>"
 EOS_TOKEN = "<|end_of_text|>"
@@ -84,9 +86,22 @@ def tokenizer_config() -> dict:
     }
 
 
-def render(corpus_path: Path) -> dict[str, str]:
+def read_corpus(corpus_dir: Path) -> str:
+    """Every *.txt under `corpus_dir`, in name order, one after another."""
+    files = sorted(corpus_dir.glob("*.txt"))
+    if not files:
+        raise FileNotFoundError(f"no *.txt files in {corpus_dir} (the corpus ships in the repository's data/)")
+    return "\n".join(f.read_text(encoding="utf-8") for f in files)
+
+
+def render(corpus_dir: Path = CORPUS_DIR) -> dict[str, str]:
     """File name -> exact file text for both artifacts."""
-    tok = build_tokenizer(corpus_path.read_text(encoding="utf-8"))
+    return render_text(read_corpus(corpus_dir))
+
+
+def render_text(corpus: str) -> dict[str, str]:
+    """The artifacts for a corpus given as text."""
+    tok = build_tokenizer(corpus)
     return {
         "tokenizer.json": tok.to_str(pretty=True) + "\n",
         "tokenizer_config.json": json.dumps(tokenizer_config(), indent=2, ensure_ascii=False) + "\n",
@@ -95,11 +110,12 @@ def render(corpus_path: Path) -> dict[str, str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--corpus", type=Path, default=CORPUS_DIR, help="directory of *.txt to train on")
     parser.add_argument("--out", type=Path, default=DEMO_DIR, help="directory to write into")
     parser.add_argument("--check", action="store_true", help="compare with files in --out, write nothing")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    files = render(DEMO_DIR / "corpus.txt")
+    files = render(args.corpus)
     stale = []
     for name, text in files.items():
         path = args.out / name

@@ -103,8 +103,9 @@ def check_weights_fit(
     )
 
 
-def _targets(model: CausalLM, cfg: ModelConfig) -> dict[str, _Target]:
-    """Checkpoint tensor name -> where it goes in our (fused) model."""
+def checkpoint_targets(model: CausalLM, cfg: ModelConfig) -> dict[str, _Target]:
+    """HF checkpoint tensor name -> where it lives in our (fused) model (loading fills these
+    slices; the training export reads them back out)."""
     t: dict[str, _Target] = {"model.embed_tokens.weight": _Target(model.embed_tokens.weight, None)}
     t["model.norm.weight"] = _Target(model.norm.weight, None)
     if not cfg.tie_word_embeddings:
@@ -171,7 +172,7 @@ def load_model(
     else:
         model = model.to_empty(device=device)
     model.tie_weights()
-    targets = _targets(model, cfg)
+    targets = checkpoint_targets(model, cfg)
     loaded: set[str] = set()
     ignored: list[str] = []
     with torch.no_grad():

@@ -117,3 +117,24 @@ def auto_dtype(
             raise ConfigError("auto dtype on CPU needs a measured profile; use strata.hardware.probe.auto_dtype")
         profile = cpu_profile("cpu")
     return _auto_cpu(checkpoint, profile)
+
+
+def train_dtype(profile: HardwareProfile) -> tuple[torch.dtype, str]:
+    """`strata train --precision auto`: the autocast dtype (fp32 = no autocast) and why.
+
+    CUDA: bf16 where the device has it, else fp16 (with loss scaling). CPU: bf16 only when the
+    measured prefill-shaped GEMM (what forward and backward run) beats fp32 by SWITCH_MARGIN: it
+    does through AMX or AVX-512 BF16 on some CPUs and loses on others (AVX2 without native bf16)."""
+    if profile.device.startswith("cuda"):
+        if profile.matmul_gflops.get("bfloat16", 0.0) > 0:
+            return torch.bfloat16, "CUDA device with bf16"
+        return torch.float16, "CUDA device without bf16: fp16 with dynamic loss scaling"
+    fp32 = profile.gemm_gflops.get("float32", 0.0)
+    bf16 = profile.gemm_gflops.get("bfloat16", 0.0)
+    if fp32 <= 0 or bf16 <= 0:
+        return torch.float32, "the hardware profile has no GEMM rates for fp32 and bf16"
+    ratio = bf16 / fp32
+    why = f"measured GEMM bf16 {bf16:.0f} vs fp32 {fp32:.0f} GFLOP/s ({ratio:.2f}x)"
+    if ratio >= SWITCH_MARGIN:
+        return torch.bfloat16, why
+    return torch.float32, why + f", under the {SWITCH_MARGIN}x needed to switch"

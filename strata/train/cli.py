@@ -1,0 +1,147 @@
+"""`strata train`: flags for every TrainConfig field, `--config FILE.toml`, `--check`, `--export DIR`."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+import typing
+from pathlib import Path
+
+from strata.train.config import (
+    ACTIVATION_CHECKPOINTING,
+    COMM_DTYPES,
+    DISTRIBUTED,
+    PRECISIONS,
+    TrainConfig,
+)
+
+logger = logging.getLogger(__name__)
+
+EXAMPLES = """examples:
+  strata train --data data/shakespeare/train --eval-data data/shakespeare/heldout --max-steps 200
+  strata train --config train.toml --lr 1e-3              # flags override the file's keys
+  strata train --model smol-135m --data corpus/ --precision bfloat16 --activation-checkpointing full
+  torchrun --nproc-per-node 2 -m strata train --data corpus/   # DDP, one host or many
+  strata train --data corpus/ --nproc-per-node 2 --distributed fsdp  # ranks spawned locally
+  strata train --data corpus/ --export out/model            # then: strata generate --model out/model
+  strata train --data corpus/ --check                       # preflight checklist, trains nothing
+"""
+
+HELP = {
+    "model": "named size (demo, tiny, smol-135m, qwen-0.5b), a config.json, or an HF checkpoint dir",
+    "tokenizer": "directory with tokenizer.json (default: the model's, else the demo tokenizer)",
+    "data": "text files, JSONL files (a \"text\" field) or directories of them (repeatable)",
+    "eval_data": "held-out text for the evaluation loss (repeatable)",
+    "num_workers": "DataLoader worker processes that tokenize (0 = this process)",
+    "precision": "compute dtype under autocast; auto = by measurement on this device",
+    "activation_checkpointing": "recompute activations in backward: " + " | ".join(ACTIVATION_CHECKPOINTING),
+    "ac_every": "selective checkpointing: every k-th decoder layer",
+    "loss_chunk_tokens": "run the LM head + loss over this many tokens at a time, recomputed in "
+                         "backward: the [tokens, vocab] logits never exist whole (0 = off)",
+    "distributed": "data parallelism when there are several ranks: ddp or fsdp (FSDP2 fully_shard)",
+    "nproc_per_node": "spawn this many ranks locally (under torchrun its environment decides)",
+    "ddp_comm_dtype": "compress DDP's gradient all-reduce to 16 bits (torch comm hook)",
+    "save_every": "checkpoint every N steps (0 = only at the end and on SIGTERM)",
+    "keep_last": "checkpoints to keep",
+    "grad_clip": "clip gradients to this global norm (0 = off)",
+    "min_lr_ratio": "the cosine schedule ends at lr x this",
+    "spike_factor": "report a loss above this x the running median",
+    "max_skipped_steps": "stop after this many non-finite steps in a row",
+}
+CHOICES = {"precision": PRECISIONS, "activation_checkpointing": ACTIVATION_CHECKPOINTING,
+           "distributed": DISTRIBUTED, "ddp_comm_dtype": COMM_DTYPES}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def register(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("train", help="train a model (mixed precision, checkpointing, DDP/FSDP)",
+                       epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=None, help="TOML file of TrainConfig keys (flags override it)")
+    p.add_argument("--check", action="store_true", help="run the preflight checklist and exit")
+    p.add_argument("--export", default=None, metavar="DIR", help="write the trained model as an HF directory")
+    p.add_argument("--export-dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                   help="dtype of the exported weights (training keeps fp32 masters)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    defaults = TrainConfig()
+    hints = typing.get_type_hints(TrainConfig)
+    for f in dataclasses.fields(TrainConfig):
+        default = getattr(defaults, f.name)
+        help_text = HELP.get(f.name, f.name.replace("_", " "))
+        hint = hints[f.name]
+        if f.name in ("data", "eval_data"):
+            p.add_argument(_flag(f.name), action="append", default=None, help=help_text)
+        elif hint is bool:
+            p.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction, default=None,
+                           help=f"{help_text} (default: {default})")
+        else:
+            base = next((t for t in typing.get_args(hint) if t is not type(None)), hint) if typing.get_args(hint) else hint
+            p.add_argument(_flag(f.name), type=base, default=None, choices=CHOICES.get(f.name),
+                           help=f"{help_text} (default: {default})")
+    p.set_defaults(func=cmd_train)
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    from strata.train.config import build_config, load_toml
+
+    file_values = load_toml(args.config) if args.config else {}
+    flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
+    return build_config(file_values, flags)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from strata.comm.world import World
+    from strata.hardware.processes import die_with_parent
+
+    die_with_parent()
+    cfg = config_from_args(args)
+    if args.check:
+        from strata.train.preflight import run_checks
+
+        return run_checks(cfg)
+    if cfg.nproc_per_node > 1 and World.from_env() is None:
+        from strata.train.launch import LocalTrainRanks
+
+        raw = getattr(args, "raw_argv", sys.argv[1:])
+        train_args = raw[raw.index("train") + 1:]
+        with LocalTrainRanks(cfg.nproc_per_node, train_args) as ranks:
+            code = _run(cfg, args)
+        if ranks.failed():
+            print(f"error: training rank(s) exited with {ranks.failed()}", file=sys.stderr)
+            return 1
+        return code
+    return _run(cfg, args)
+
+
+def _run(cfg: TrainConfig, args: argparse.Namespace) -> int:
+    from strata.train.trainer import Trainer
+
+    trainer = Trainer(cfg)
+    if trainer.rank == 0:
+        print(f"training {cfg.model} ({trainer.model_config.num_params() / 1e6:.2f}M parameters) on "
+              f"{trainer.data.tokens:,} tokens x {trainer.world_size} rank(s); precision "
+              f"{trainer.precision.name} ({trainer.precision_reason}); activation checkpointing "
+              f"{cfg.activation_checkpointing} ({trainer.num_checkpointed} wrapped)", file=sys.stderr)
+    result = trainer.fit()
+    export = None
+    if args.export and not result.stopped_by_signal:
+        from strata.config import DTYPES
+
+        export = trainer.export(Path(args.export), DTYPES[args.export_dtype])
+    if trainer.rank == 0:
+        summary = {"steps": result.steps, "final_loss": result.final_loss, "eval_loss": result.eval_loss,
+                   "skipped_steps": result.skipped_steps, "checkpoint": str(result.checkpoint),
+                   "export": str(export) if export else None, "stopped_by_signal": result.stopped_by_signal}
+        if args.json:
+            print(json.dumps(summary))
+        else:
+            ev = f", held-out loss {result.eval_loss:.4f}" if result.eval_loss is not None else ""
+            print(f"trained to step {result.steps}: loss {result.final_loss:.4f}{ev}; checkpoint "
+                  f"{result.checkpoint}" + (f"; exported {export}" if export else ""), file=sys.stderr)
+    return 143 if result.stopped_by_signal else 0

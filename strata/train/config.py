@@ -1,0 +1,147 @@
+"""TrainConfig: every knob of `strata train`, one dataclass, loadable from TOML and overridable by flags.
+
+Precedence: dataclass defaults < the TOML file (`--config FILE.toml`, keys = field names) < flags
+given on the command line. Validated once, at construction, with messages naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from strata.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+PRECISIONS = ("auto", "float32", "bfloat16", "float16")
+ACTIVATION_CHECKPOINTING = ("none", "selective", "attention", "full")
+DISTRIBUTED = ("ddp", "fsdp")
+COMM_DTYPES = ("none", "bfloat16", "float16")
+
+
+@dataclass
+class TrainConfig:
+    # model: a named size (strata.train.model_init.NAMED_SIZES), a config.json, or an HF checkpoint dir
+    model: str = "demo"
+    tokenizer: str | None = None  # directory with tokenizer.json (default: the model dir's, else the demo's)
+    # data: text files / directories of *.txt / JSONL files (a "text" field per line)
+    data: list[str] = field(default_factory=list)
+    eval_data: list[str] = field(default_factory=list)
+    seq_len: int = 256
+    micro_batch_size: int = 8  # sequences per forward, per rank
+    grad_accum: int = 1  # micro-batches per optimizer step
+    num_workers: int = 1  # DataLoader worker processes that tokenize (0 = in this process)
+    seed: int = 0
+    # optimisation
+    max_steps: int = 100
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # global-norm clipping; 0 = off (--check fails it)
+    # precision and memory
+    precision: str = "auto"  # the hardware layer measures fp32 vs bf16 when "auto"
+    activation_checkpointing: str = "none"
+    ac_every: int = 2  # selective: checkpoint every k-th decoder layer
+    loss_chunk_tokens: int = 0  # LM head + loss over this many tokens at a time (0 = all at once)
+    # distributed (torchrun's environment, or --nproc-per-node to spawn locally)
+    distributed: str = "ddp"
+    nproc_per_node: int = 1
+    ddp_bucket_mb: float = 25.0
+    ddp_comm_dtype: str = "none"  # compress DDP's gradient all-reduce (a torch comm hook)
+    comm_timeout_s: float = 300.0
+    # checkpoints and outputs
+    out_dir: str = "runs/train"
+    save_every: int = 100  # steps; 0 = only at the end and on SIGTERM
+    keep_last: int = 2
+    resume: bool = True  # continue from the newest intact checkpoint in out_dir
+    eval_every: int = 0  # steps; 0 = only at the end
+    eval_batches: int = 16
+    log_every: int = 10
+    tensorboard: bool = True
+    max_skipped_steps: int = 10  # stop after this many non-finite steps in a row
+    spike_factor: float = 3.0  # report a loss above this x the running median
+    threads: int | None = None
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        for name in ("seq_len", "micro_batch_size", "grad_accum", "max_steps", "keep_last", "nproc_per_node",
+                     "ac_every", "log_every", "eval_batches", "max_skipped_steps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"train config: {name} = {value!r}; expected an integer >= 1")
+        for name in ("num_workers", "warmup_steps", "save_every", "eval_every", "seed", "loss_chunk_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"train config: {name} = {value!r}; expected an integer >= 0")
+        for name in ("lr", "eps", "comm_timeout_s", "spike_factor", "ddp_bucket_mb"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"train config: {name} = {getattr(self, name)!r}; expected a number > 0")
+        for name in ("weight_decay", "grad_clip"):
+            if not getattr(self, name) >= 0:
+                raise ConfigError(f"train config: {name} = {getattr(self, name)!r}; expected a number >= 0")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"train config: min_lr_ratio = {self.min_lr_ratio}; expected 0 <= x <= 1")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ConfigError(f"train config: {name} = {getattr(self, name)}; expected 0 <= x < 1")
+        for name, choices in (("precision", PRECISIONS), ("activation_checkpointing", ACTIVATION_CHECKPOINTING),
+                              ("distributed", DISTRIBUTED), ("ddp_comm_dtype", COMM_DTYPES)):
+            if getattr(self, name) not in choices:
+                raise ConfigError(
+                    f"train config: {name} = {getattr(self, name)!r}; choose one of {', '.join(choices)}")
+        if self.warmup_steps >= self.max_steps and self.max_steps > 1:
+            raise ConfigError(
+                f"train config: warmup_steps = {self.warmup_steps} >= max_steps = {self.max_steps}; the "
+                "learning rate would never decay (lower warmup_steps)")
+        if self.threads is not None and self.threads < 1:
+            raise ConfigError(f"train config: threads = {self.threads}; expected >= 1")
+
+    @property
+    def tokens_per_micro_batch(self) -> int:
+        return self.micro_batch_size * self.seq_len
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+FIELD_NAMES = tuple(f.name for f in fields(TrainConfig))
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    """The [train] table of a TOML file (or its top level), checked for unknown keys."""
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise ConfigError(f"--config {path}: cannot read it ({e.strerror})") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"--config {path}: not valid TOML ({e})") from None
+    table = data.get("train", data)
+    unknown = sorted(set(table) - set(FIELD_NAMES))
+    if unknown:
+        raise ConfigError(
+            f"--config {path}: unknown key(s) {', '.join(unknown)}; the keys are TrainConfig's fields: "
+            f"{', '.join(FIELD_NAMES)}")
+    for key in ("data", "eval_data"):
+        if isinstance(table.get(key), str):
+            table[key] = [table[key]]
+    return table
+
+
+def build_config(file_values: dict[str, Any], flag_values: dict[str, Any]) -> TrainConfig:
+    """Defaults < file < flags (flags given as None were not set)."""
+    merged = {**file_values, **{k: v for k, v in flag_values.items() if v is not None}}
+    try:
+        return TrainConfig(**merged)
+    except TypeError as e:
+        raise ConfigError(f"train config: {e}") from None

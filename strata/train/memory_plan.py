@@ -1,0 +1,442 @@
+"""Training memory per rank, predicted from the model's shapes: what `strata plan --train` prints
+and `strata train --check` compares with the device's memory.
+
+Components (bytes):
+  parameters        fp32 master weights, 4 x P
+  gradients         fp32, 4 x P (created in backward; DDP keeps them for good, as bucket views)
+  optimizer states  AdamW exp_avg + exp_avg_sq, 8 x P
+  autocast copies   bf16/fp16: autocast casts each Linear weight once per forward and caches the
+                    copy until the autocast region ends; the copies the backward needs stay saved
+  activations       what autograd saves for backward, counted op by op from THIS model's forward
+                    (graph/models/llama.py, graph/layers.py; see `layer_saved`), per
+                    activation-checkpointing mode
+  logits + CE       B x L x V: the logits in the compute dtype, their .float() copy, log-softmax
+                    (saved), then in backward its gradient and the logits' gradient
+  workspace         the gradients flowing through one decoder layer during its backward
+  data              the packed token stream (int64)
+  runtime baseline  CPU: the peak RSS of a process that imported what `strata train` imports and
+                    ran one step of a microscopic model (measured once, in a subprocess); CUDA: the
+                    context, which the allocator's peak does not count
+  heap retention    CPU only: freed memory glibc keeps resident (see `cpu_heap_slack`)
+
+Not everything is live at once: the predicted peak walks the step's timeline (forward end,
+cross-entropy backward, lm_head backward, each decoder layer's backward, optimizer step) and takes
+the largest sum. Data parallel: DDP replicates everything and adds ~2 gradient buckets in flight;
+FSDP2 divides parameters, gradients and optimizer states by the world size and adds the unsharded
+parameters being used (two decoder layers: the current one and the prefetched next, plus the root's
+embedding / norm / head, which stay unsharded for the whole step).
+
+Checked: the saved tensors against torch.autograd.graph.saved_tensors_hooks on tiny models
+(tests/analyze/test_train_plan.py: exact for every mode, fp32 and bf16); the live bytes of a
+whole step against the torch profiler's CPU allocations (within 1% at the peak); the CPU RSS
+with `strata plan --train --measure`. The CUDA variants (fused rms_norm, flash/efficient SDPA)
+and the multi-rank figures are arithmetic only, not measured.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+
+import torch
+
+from strata.model_config import ModelConfig
+from strata.train.activation_checkpoint import wrapped_layers
+
+logger = logging.getLogger(__name__)
+
+FP32 = 4
+INDEX = 8  # int64 token ids
+# documented fallbacks when the baseline cannot be measured here
+CPU_BASELINE_BYTES = 470 << 20  # peak RSS of _BASELINE_PROBE: torch 2.13 CPU build, x86-64 Linux
+CUDA_CONTEXT_BYTES = 512 << 20  # CUDA context + kernel images: typical, outside the allocator's peak
+
+
+# ---------------------------------------------------------------- parameters
+
+
+def layer_params(cfg: ModelConfig) -> int:
+    """Parameters of one decoder layer (biases and q/k norms included)."""
+    h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    qkv_out = d * (cfg.num_heads + 2 * cfg.num_kv_heads)
+    n = h * qkv_out + cfg.num_heads * d * h + 3 * h * inter + 2 * h
+    n += qkv_out if cfg.qkv_bias else 0
+    n += h if cfg.o_bias else 0
+    n += 2 * inter + h if cfg.mlp_bias else 0
+    n += 2 * d if cfg.qk_norm else 0
+    return n
+
+
+def root_params(cfg: ModelConfig) -> int:
+    """Parameters outside the decoder layers: embedding, final norm, untied lm_head."""
+    emb = cfg.vocab_size * cfg.hidden_size
+    return emb * (1 if cfg.tie_word_embeddings else 2) + cfg.hidden_size
+
+
+def total_params(cfg: ModelConfig) -> int:
+    return cfg.num_layers * layer_params(cfg) + root_params(cfg)
+
+
+def attention_linear_elems(cfg: ModelConfig, biases: bool = True) -> int:
+    """Elements of one layer's qkv_proj and o_proj: what autocast casts (biases too, though the
+    backward saves only the weights' casts)."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    qkv_out = d * (cfg.num_heads + 2 * cfg.num_kv_heads)
+    n = h * qkv_out + cfg.num_heads * d * h
+    return n + (qkv_out * cfg.qkv_bias + h * cfg.o_bias if biases else 0)
+
+
+def mlp_linear_elems(cfg: ModelConfig, biases: bool = True) -> int:
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    return 3 * h * inter + ((2 * inter + h) * cfg.mlp_bias if biases else 0)
+
+
+def lm_head_elems(cfg: ModelConfig) -> int:
+    return cfg.vocab_size * cfg.hidden_size
+
+
+# ---------------------------------------------------------------- saved activations
+
+
+def _norm(width: int, fused: bool) -> int:
+    """Bytes F.rms_norm (fp32 input) saves per row: input and rstd; the composite version (CPU)
+    also saves the normalised input before the weight multiply."""
+    return FP32 * width + FP32 + (0 if fused else FP32 * width)
+
+
+def norm_saved(cfg: ModelConfig, c: int, fused: bool) -> int:
+    """A hidden-size RMSNorm in front of a projection: the norm's tensors plus the projection's
+    saved input (the fp32 output itself, or autocast's c-byte cast of it)."""
+    return _norm(cfg.hidden_size, fused) + c * cfg.hidden_size
+
+
+def attention_saved(cfg: ModelConfig, c: int, fused: bool) -> dict[str, int]:
+    """Bytes per token the attention block saves (from its input norm's output to o_proj)."""
+    nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    out: dict[str, int] = {}
+    if cfg.qk_norm:
+        if c == FP32:  # F.rms_norm on views of the qkv output: that whole storage stays
+            out["qkv output (q/k norm input)"] = FP32 * (nh + 2 * nkv) * d
+            out["q/k norm"] = (nh + nkv) * (FP32 + (0 if fused else FP32 * d))
+            out["q (rotary output)"] = FP32 * nh * d
+        else:  # the manual bf16/fp16 path: x.float(), rsqrt, the cast-back normalised x
+            out["q/k norm"] = (nh + nkv) * (FP32 * d + FP32 + c * d)
+            out["q (autocast cast)"] = c * nh * d
+    elif c == FP32:  # q is a view of the rotary output of q and k together
+        out["q, k (rotary output)"] = FP32 * (nh + nkv) * d
+    else:  # rotary by fp32 cos/sin promotes q to fp32; SDPA's autocast casts it back
+        out["q (autocast cast)"] = c * nh * d
+    out["k (repeat_interleave for GQA)"] = c * nh * d
+    out["v (repeat_interleave for GQA)"] = c * nh * d
+    out["attention output (o_proj input)"] = c * nh * d
+    out["attention logsumexp"] = FP32 * nh
+    return out
+
+
+def mlp_saved(cfg: ModelConfig, c: int) -> dict[str, int]:
+    i = cfg.intermediate_size
+    return {"gate_up output": 2 * c * i, "silu(gate)": c * i, "silu(gate) x up (down_proj input)": c * i}
+
+
+def layer_saved(cfg: ModelConfig, c: int, fused: bool) -> dict[str, int]:
+    """Bytes per token one unwrapped decoder layer saves for backward, op by op.
+
+    c is the compute itemsize (4: fp32, 2: bf16/fp16 autocast); the residual stream stays fp32
+    under autocast (the embedding is not autocast, and bf16 + fp32 promotes), so the norms see
+    fp32 input. `fused`: CUDA's fused rms_norm (saves no normalised copy)."""
+    return {"input norm": norm_saved(cfg, c, fused), **attention_saved(cfg, c, fused),
+            "post-attention norm": norm_saved(cfg, c, fused), **mlp_saved(cfg, c)}
+
+
+def _attention_recomputed(cfg: ModelConfig, c: int, fused: bool) -> int:
+    """Bytes per token that checkpointing the attention block recomputes instead of saving: its
+    internals and qkv_proj's cast input, less the block input the checkpoint keeps (the fp32
+    norm output)."""
+    return sum(attention_saved(cfg, c, fused).values()) + c * cfg.hidden_size - FP32 * cfg.hidden_size
+
+
+@dataclass(frozen=True)
+class LayerSaved:
+    """One decoder layer: bytes saved at the end of the forward, and what its backward re-creates."""
+
+    activations: int
+    weight_copies: int  # autocast casts the backward needs (weights only)
+    cached_copies: int  # autocast casts in the cache until the forward ends (biases too)
+    recomputed: int = 0  # activations a checkpoint re-creates during this layer's backward
+    recomputed_copies: int = 0
+
+
+@dataclass(frozen=True)
+class SavedForBackward:
+    """Bytes autograd holds at the end of the forward, parameters themselves not counted."""
+
+    layers: list[LayerSaved]
+    final_norm: int  # the final norm's tensors and lm_head's input
+    rotary: int  # cos and sin, shared by every layer
+    lm_head_copy: int  # autocast's cast of the lm_head weight
+    logits: int  # the log-softmax output
+    token_ids: int  # the window rows (inputs and targets are views of them) + flattened targets
+
+    @property
+    def activations(self) -> int:
+        return sum(la.activations for la in self.layers) + self.final_norm + self.rotary
+
+    @property
+    def weight_copies(self) -> int:
+        return sum(la.weight_copies for la in self.layers) + self.lm_head_copy
+
+    @property
+    def total(self) -> int:
+        return self.activations + self.weight_copies + self.logits + self.token_ids
+
+
+def saved_for_backward(cfg: ModelConfig, seq_len: int, micro_batch: int, compute_dtype: torch.dtype,
+                       mode: str = "none", every: int = 2, device_type: str = "cpu",
+                       loss_chunk_tokens: int = 0) -> SavedForBackward:
+    """What autograd saves in one forward of the training loss under checkpointing `mode`."""
+    tokens = seq_len * micro_batch
+    c = _itemsize(compute_dtype)
+    fused = device_type == "cuda"
+    h = cfg.hidden_size
+    cast = c if c != FP32 else 0  # autocast copies exist only below fp32
+    full = tokens * sum(layer_saved(cfg, c, fused).values())
+    attn_copies, mlp_copies = cast * attention_linear_elems(cfg, False), cast * mlp_linear_elems(cfg, False)
+    cached = cast * (attention_linear_elems(cfg) + mlp_linear_elems(cfg))
+    wrapped = set(wrapped_layers(cfg.num_layers, mode, every))
+    layers = []
+    for i in range(cfg.num_layers):
+        if i not in wrapped:
+            layers.append(LayerSaved(full, attn_copies + mlp_copies, cached))
+        elif mode == "attention":  # the MLP keeps its activations and weight copies
+            attn = tokens * _attention_recomputed(cfg, c, fused)
+            layers.append(LayerSaved(full - attn, mlp_copies, cached, attn, attn_copies))
+        else:  # the checkpoint keeps the layer's inputs: x (the fp32 embedding for layer 0, else
+            # the previous MLP output) and the residual (already saved if the previous layer is not)
+            x_in = FP32 * h if i == 0 else c * h
+            res_in = FP32 * h if i > 0 and (i - 1) in wrapped else 0
+            layers.append(LayerSaved(tokens * (x_in + res_in), 0, cached, full, attn_copies + mlp_copies))
+    return SavedForBackward(
+        layers=layers, final_norm=tokens * norm_saved(cfg, c, fused),
+        rotary=tokens * 2 * FP32 * cfg.head_dim,  # fp32: the embedding's dtype decides
+        # a chunked loss (--loss-chunk-tokens) checkpoints each chunk: it keeps only its input, a
+        # view of the final norm's output counted above
+        lm_head_copy=cast * lm_head_elems(cfg), logits=0 if loss_chunk_tokens else tokens * FP32 * cfg.vocab_size,
+        token_ids=INDEX * (micro_batch * (seq_len + 1) + tokens))
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+# ---------------------------------------------------------------- the step's timeline
+
+ACTIVATIONS = "activations (saved for backward)"
+COPIES = "autocast weight copies"
+LOGITS = "logits + cross-entropy"
+GRADS = "gradients (fp32)"
+WORKSPACE = "backward workspace"
+HEAP_SLACK = "allocator retention (CPU heap)"
+
+
+@dataclass
+class TrainMemory:
+    """Predicted bytes per rank. `components`: each part's largest size over the step;
+    `at_peak`: what is live at the predicted peak (they sum to `peak_bytes`)."""
+
+    model: str
+    seq_len: int
+    micro_batch_size: int
+    dtype: str
+    activation_checkpointing: str
+    ac_every: int
+    world_size: int
+    distributed: str
+    device_type: str
+    params: int
+    components: dict[str, int]
+    at_peak: dict[str, int]
+    peak_phase: str
+    peak_bytes: int
+    baseline_in_measured_peak: bool  # CPU RSS includes it; CUDA's allocator peak does not
+    saved: SavedForBackward
+
+    @property
+    def measurable_peak(self) -> int:
+        """The figure `strata train` logs as peak_memory_bytes (RSS on CPU, allocator peak on CUDA)."""
+        base = 0 if self.baseline_in_measured_peak else self.components["runtime baseline"]
+        return self.peak_bytes - base
+
+    def to_json(self) -> dict:
+        d = {k: v for k, v in asdict(self).items() if k != "saved"}
+        d["measurable_peak"] = self.measurable_peak
+        d["saved_for_backward"] = {"activations": self.saved.activations,
+                                   "weight_copies": self.saved.weight_copies,
+                                   "logits": self.saved.logits, "token_ids": self.saved.token_ids}
+        return d
+
+
+def _ce_forward(cfg: ModelConfig, tokens: int, c: int) -> int:
+    """Logits (compute dtype), their fp32 copy (no copy in fp32), log-softmax: all live at once."""
+    v = tokens * cfg.vocab_size
+    return c * v + (FP32 * v if c != FP32 else 0) + FP32 * v
+
+
+def _layer_workspace(cfg: ModelConfig, tokens: int, c: int) -> int:
+    """Gradients alive inside one layer's backward beyond its saved tensors: the residual and x
+    gradients flowing through, plus the larger of the MLP's (gate and up) and attention's (q, the
+    expanded k and v, the output). Fitted to the profiler's count on tiny models (within ~5% where
+    the MLP is the wider block, as in every named shape; ~11% for a model narrower than that)."""
+    mlp = 2 * cfg.intermediate_size
+    attn = 4 * cfg.num_heads * cfg.head_dim
+    return tokens * ((FP32 + c) * cfg.hidden_size + c * max(mlp, attn))
+
+
+def cpu_heap_slack(cfg: ModelConfig, tokens: int) -> int:
+    """Freed memory glibc malloc keeps resident on CPU (RSS above the live bytes): tensors under its
+    mmap threshold (which grows to 32 MiB as large blocks are freed) come from the heap, and freed
+    heap chunks below its top stay mapped. Measured with `strata plan --train --measure` (demo and
+    a 4-layer smol-135m shape; fp32 and bf16; none and full checkpointing): about one decoder
+    layer's fp32 saved tensors plus its backward workspace, the scratch the latest layer leaves
+    behind (fp32 whatever the autocast dtype: the norms, rotary and residual stream are)."""
+    return tokens * sum(layer_saved(cfg, FP32, fused=False).values()) + _layer_workspace(cfg, tokens, FP32)
+
+
+def _phases(cfg: ModelConfig, saved: SavedForBackward, tokens: int, c: int, shard: int, cast: bool,
+            keep_grads: bool, loss_chunk_tokens: int = 0) -> dict[str, dict[str, int]]:
+    """What each moment of the step holds beyond the static parts. The forward ends with every
+    autocast copy still cached; backward walks the layers from the last, freeing each layer's saved
+    tensors (and re-creating a checkpointed one's) while the gradients accumulate."""
+    logit_tokens = min(tokens, loss_chunk_tokens) if loss_chunk_tokens else tokens  # one chunk at a time
+    v = logit_tokens * cfg.vocab_size
+    layer_grad, head_grad = FP32 * layer_params(cfg) // shard, FP32 * lm_head_elems(cfg) // shard
+    k = 1 if cast else 0  # 0: no autocast copies (FSDP)
+
+    def grads(n: int) -> dict[str, int]:
+        return {} if keep_grads else {GRADS: n}  # DDP's gradients are static (bucket views)
+
+    all_copies = k * (sum(la.cached_copies for la in saved.layers) + saved.lm_head_copy)
+    acts = saved.activations + saved.token_ids
+    phases = {
+        "forward end (cross-entropy forward)": {COPIES: all_copies, ACTIVATIONS: acts,
+                                                LOGITS: _ce_forward(cfg, logit_tokens, c)},
+        "cross-entropy backward": {COPIES: k * saved.weight_copies, ACTIVATIONS: acts, LOGITS: 3 * FP32 * v},
+        # the logits' gradient cast to the compute dtype (the fp32 one still alive), then lm_head's
+        "lm_head backward": {COPIES: k * saved.weight_copies, ACTIVATIONS: acts,
+                             LOGITS: c * v + (FP32 * v if c != FP32 else 0), **grads(head_grad)},
+    }
+    for j in reversed(range(cfg.num_layers)):
+        below = saved.layers[: j + 1]
+        phases[f"layer {j} backward"] = {
+            COPIES: k * (sum(la.weight_copies for la in below) + saved.layers[j].recomputed_copies),
+            ACTIVATIONS: sum(la.activations for la in below) + saved.layers[j].recomputed
+            + saved.rotary + saved.token_ids,
+            WORKSPACE: _layer_workspace(cfg, tokens, c),
+            # layer j's own gradients appear as its saved tensors go: count the layers above it
+            **grads(head_grad + (cfg.num_layers - 1 - j) * layer_grad),
+        }
+    phases["optimizer step"] = grads(FP32 * total_params(cfg) // shard)
+    return phases
+
+
+def predict_train_memory(cfg: ModelConfig, *, seq_len: int, micro_batch_size: int,
+                         compute_dtype: torch.dtype = torch.float32, activation_checkpointing: str = "none",
+                         ac_every: int = 2, world_size: int = 1, distributed: str = "ddp",
+                         device_type: str = "cpu", ddp_bucket_mb: float = 25.0, data_tokens: int = 0,
+                         runtime_baseline_bytes: int | None = None, model_name: str = "",
+                         loss_chunk_tokens: int = 0) -> TrainMemory:
+    """Peak memory of one training rank and its components (see the module docstring)."""
+    c = _itemsize(compute_dtype)
+    n = max(1, world_size)
+    fsdp, ddp = distributed == "fsdp" and n > 1, distributed == "ddp" and n > 1
+    shard = n if fsdp else 1
+    params = total_params(cfg)
+    saved = saved_for_backward(cfg, seq_len, micro_batch_size, compute_dtype, activation_checkpointing,
+                               ac_every, device_type, loss_chunk_tokens)
+    if runtime_baseline_bytes is None:
+        runtime_baseline_bytes = runtime_baseline(device_type)
+    static = {
+        "parameters (fp32 master)": FP32 * params // shard,
+        "optimizer states (AdamW, 2 x fp32)": 2 * FP32 * params // shard,
+        "data (token stream, int64)": INDEX * data_tokens,
+        "runtime baseline": runtime_baseline_bytes,
+    }
+    if ddp:  # gradient_as_bucket_view: the gradients are the buckets, allocated once for good
+        static[GRADS] = FP32 * params
+        static["DDP buckets in flight"] = 2 * int(ddp_bucket_mb * (1 << 20))
+    if fsdp:  # the root group stays unsharded all step; two layers are gathered at a time
+        static["FSDP unsharded parameters"] = c * (root_params(cfg) + 2 * layer_params(cfg))
+    if device_type == "cpu":
+        static[HEAP_SLACK] = cpu_heap_slack(cfg, seq_len * micro_batch_size)
+    # FSDP's mixed precision casts the parameters itself: autocast finds nothing to cache
+    phases = _phases(cfg, saved, seq_len * micro_batch_size, c, shard, cast=not fsdp, keep_grads=ddp,
+                     loss_chunk_tokens=loss_chunk_tokens)
+    totals = {name: sum(parts.values()) for name, parts in phases.items()}
+    peak_phase = max(totals, key=totals.__getitem__)
+    at_peak = {**static, **{k: v for k, v in phases[peak_phase].items() if v}}
+    components = dict(static)
+    for parts in phases.values():
+        for k, v in parts.items():
+            components[k] = max(components.get(k, 0), v)
+    return TrainMemory(
+        model=model_name, seq_len=seq_len, micro_batch_size=micro_batch_size, dtype=str(compute_dtype)[6:],
+        activation_checkpointing=activation_checkpointing, ac_every=ac_every, world_size=n,
+        distributed=distributed, device_type=device_type, params=params, components=components,
+        at_peak=at_peak, peak_phase=peak_phase, peak_bytes=sum(at_peak.values()),
+        baseline_in_measured_peak=device_type != "cuda", saved=saved)
+
+
+# ---------------------------------------------------------------- the runtime baseline
+
+# A fresh process that imports what `strata train` imports and runs one step of a microscopic model
+# through the trainer's own parts, so every lazy import (torch._dynamo, pulled in by the optimizer,
+# is ~140 MiB alone) and kernel table is resident; its tensors are a few KiB.
+_BASELINE_PROBE = """
+import resource, torch, tqdm
+import strata.cli
+strata.cli.build_parser()
+from strata.graph.models.llama import CausalLM
+from strata.kernels.dispatch import reference_kernels
+from strata.model_config import ModelConfig
+from strata.train.activation_checkpoint import apply_activation_checkpointing
+from strata.train.config import TrainConfig
+from strata.train.optim import make_optimizer
+from strata.train.trainer import LanguageModelLoss
+cfg = ModelConfig.from_dict({"architectures": ["LlamaForCausalLM"], "hidden_size": 8, "intermediate_size": 16,
+    "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 32,
+    "max_position_embeddings": 16, "tie_word_embeddings": True, "torch_dtype": "float32"})
+lm = CausalLM(cfg)
+apply_activation_checkpointing(lm, "selective", 2)
+model = LanguageModelLoss(lm)
+opt = make_optimizer(model, TrainConfig())
+ids = torch.randint(0, 32, (2, 9))
+with reference_kernels():
+    for dtype in (torch.float32, torch.bfloat16):
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+            loss = model(ids[:, :-1], ids[:, 1:])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+"""
+
+
+@functools.cache
+def runtime_baseline(device_type: str = "cpu") -> int:
+    """Bytes a training process holds beyond its tensors. CPU: the peak RSS of _BASELINE_PROBE in a
+    fresh process (measured once per process, ~2 s); CUDA: the documented context size (its
+    allocator peak, which `strata train` logs, excludes it)."""
+    if device_type == "cuda":
+        return CUDA_CONTEXT_BYTES
+    try:
+        out = subprocess.run([sys.executable, "-c", _BASELINE_PROBE], capture_output=True, text=True,
+                             timeout=120, check=True,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+        return int(out.stdout.strip().splitlines()[-1])
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError) as e:
+        logger.info("could not measure the runtime baseline (%s); using %d MiB", e, CPU_BASELINE_BYTES >> 20)
+        return CPU_BASELINE_BYTES
