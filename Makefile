@@ -3,7 +3,7 @@ VENV    := .venv
 PY      := $(VENV)/bin/python
 PIP     := $(VENV)/bin/pip
 STAMP   := $(VENV)/.installed-stamp
-PROMPT  ?= The five layers of an LLM system are
+PROMPT  ?= To be, or not to be
 
 .PHONY: demo test lint install clean
 

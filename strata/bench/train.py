@@ -73,6 +73,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--activation-checkpointing", action="append", default=None, metavar="MODE[,MODE...]",
                    help=f"{' | '.join(ACTIVATION_CHECKPOINTING)}; repeatable or a comma list (default none)")
     g.add_argument("--seed", type=int, default=0, help="seed of the weights and the token data")
+    g.add_argument("--loss-chunk-tokens", type=int, default=0,
+                   help="Strata's runs: LM head + loss over this many tokens at a time (default 0 = off)")
     g = p.add_argument_group("benchmark")
     g.add_argument("--peer", choices=("hf", "none"), default="hf",
                    help="hf: the plain PyTorch loop on transformers' model (default); none: Strata only")
@@ -162,7 +164,8 @@ def worker_argv(spec: RunSpec, args: argparse.Namespace, threads: int) -> list[s
     return ["--json", "--engine", spec.engine, "--model", args.model, "--seq-len", str(args.seq_len),
             "--batch", str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup),
             "--precision", spec.precision, "--activation-checkpointing", spec.activation_checkpointing,
-            "--threads", str(threads), "--device", args.device, "--seed", str(args.seed)]
+            "--threads", str(threads), "--device", args.device, "--seed", str(args.seed),
+            "--loss-chunk-tokens", str(getattr(args, "loss_chunk_tokens", 0) if spec.engine == "strata" else 0)]
 
 
 def _kill_and_reap(proc: subprocess.Popen) -> tuple[str, str]:

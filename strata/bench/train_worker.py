@@ -54,6 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps before them")
     p.add_argument("--precision", choices=PRECISIONS, default="auto")
     p.add_argument("--activation-checkpointing", choices=ACTIVATION_CHECKPOINTING, default="none")
+    p.add_argument("--loss-chunk-tokens", type=int, default=0, help="strata: LM head + loss in chunks (0 = off)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--device", default="cpu")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the token data")
@@ -148,7 +149,7 @@ def run_strata(a: argparse.Namespace) -> dict[str, Any]:
             model=a.model, tokenizer=str(tokenizer), data=[str(data)], seq_len=a.seq_len, micro_batch_size=a.batch, grad_accum=1,
             num_workers=0, seed=a.seed, max_steps=a.warmup + a.steps, warmup_steps=0, lr=LR,
             precision=a.precision, activation_checkpointing=a.activation_checkpointing,
-            out_dir=str(Path(tmp) / "out"), save_every=0, resume=False, tensorboard=False,
+            loss_chunk_tokens=a.loss_chunk_tokens, out_dir=str(Path(tmp) / "out"), save_every=0, resume=False, tensorboard=False,
             threads=a.threads, device=a.device,
         )
         start_memory = peak_memory_bytes(a.device)

@@ -1,9 +1,11 @@
-"""The built-in demo checkpoint: a tiny random-weight Llama, so Strata runs offline with no --model.
+"""The built-in demo checkpoint: a small Llama trained by `strata train` on Shakespeare, so Strata
+runs offline with no --model and prints readable (Elizabethan) English.
 
-The checkpoint is an ordinary HF directory (config.json, model.safetensors, tokenizer
-files, generation_config.json) built on first use under the user cache. The weights
-are seeded random numbers made here with torch alone; the tokenizer is the one that
-ships in this package, trained on corpus.txt by train_tokenizer.py.
+The checkpoint is an ordinary HF directory (config.json, model.safetensors, tokenizer files,
+generation_config.json) built on first use under the user cache from files that ship in this
+package: the weights (model.safetensors, bf16, trained on data/shakespeare/train: the README has
+the command that reproduces them) and the tokenizer (trained on the same corpus by
+train_tokenizer.py).
 """
 
 from __future__ import annotations
@@ -18,17 +20,14 @@ from pathlib import Path
 from typing import Any
 
 import tokenizers
-import torch
-from safetensors.torch import save_file
 
 from strata.config import cache_root
 from strata.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
 
-DEMO_NAME = "demo-v1"  # bump when the files below change, so stale caches are not reused
-SEED = 0
-INIT_STD = 0.02
+DEMO_NAME = "demo-v2"  # bump when the files below change, so stale caches are not reused
+WEIGHTS_FILE = "model.safetensors"  # HF tensor names, bf16, no lm_head (tied)
 BOS_TOKEN = "<|begin_of_text|>"
 EOS_TOKENS = ("<|end_of_text|>", "<|eot_id|>")
 ARCHITECTURE: dict[str, Any] = {
@@ -65,9 +64,9 @@ def demo_config() -> dict[str, Any]:
         "attention_bias": False,
         "attention_dropout": 0.0,
         "mlp_bias": False,
-        "initializer_range": INIT_STD,
+        "initializer_range": 0.02,
         "tie_word_embeddings": True,
-        "torch_dtype": "float32",
+        "torch_dtype": "bfloat16",
         "use_cache": True,
         "bos_token_id": tok.token_to_id(BOS_TOKEN),
         "eos_token_id": [tok.token_to_id(t) for t in EOS_TOKENS],
@@ -97,18 +96,6 @@ def weight_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def demo_weights(config: dict[str, Any], seed: int = SEED) -> dict[str, torch.Tensor]:
-    """Seeded random weights: N(0, 0.02) for embeddings and linears, ones for norms; no lm_head (tied)."""
-    gen = torch.Generator().manual_seed(seed)
-    weights = {}
-    for name, shape in weight_shapes(config).items():
-        if name.endswith("norm.weight"):
-            weights[name] = torch.ones(shape, dtype=torch.float32)
-        else:
-            weights[name] = torch.randn(shape, generator=gen, dtype=torch.float32) * INIT_STD
-    return weights
-
-
 def write_demo_checkpoint(dest: Path) -> None:
     """Write every demo checkpoint file into the existing directory `dest`."""
     config = demo_config()
@@ -119,8 +106,7 @@ def write_demo_checkpoint(dest: Path) -> None:
     }
     for name, data in (("config.json", config), ("generation_config.json", generation)):
         (dest / name).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
-    save_file(demo_weights(config), str(dest / "model.safetensors"), metadata={"format": "pt"})
-    for name in PACKAGE_FILES:
+    for name in (WEIGHTS_FILE, *PACKAGE_FILES):
         (dest / name).write_bytes(_package_file(name))
     for name in CHECKPOINT_FILES:  # mkdtemp and some writers default to owner-only
         (dest / name).chmod(0o644)

@@ -14,8 +14,9 @@ import tokenizers
 import torch
 from torch import nn
 
-from strata.demo.model import demo_config, demo_model_path
+from strata.demo.model import demo_config
 from strata.demo.random_models import SHAPES
+from strata.demo.train_tokenizer import DEMO_DIR
 from strata.errors import ConfigError
 from strata.graph.loader import load_model
 from strata.graph.models.llama import CausalLM
@@ -43,14 +44,14 @@ def resolve(model: str, tokenizer: str | None) -> ModelSource:
     weights_dir = None
     if model in NAMED_SIZES:
         config = demo_config() if model == "demo" else dict(SHAPES[model])
-        default_tok = demo_model_path()
+        default_tok = DEMO_DIR  # the demo tokenizer ships in the package
     elif path.is_file():
         config = _read_json(path)
-        default_tok = path.parent if (path.parent / "tokenizer.json").is_file() else demo_model_path()
+        default_tok = path.parent if (path.parent / "tokenizer.json").is_file() else DEMO_DIR
     elif path.is_dir() and (path / "config.json").is_file():
         config = _read_json(path / "config.json")
         weights_dir = path if any(path.glob("*.safetensors")) else None
-        default_tok = path if (path / "tokenizer.json").is_file() else demo_model_path()
+        default_tok = path if (path / "tokenizer.json").is_file() else DEMO_DIR
     else:
         raise ConfigError(
             f"--model {model}: not a named size ({', '.join(NAMED_SIZES)}), a config.json, or a directory "

@@ -8,6 +8,7 @@ metadata); activation checkpointing and data parallelism are applied from outsid
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import math
 import signal
@@ -106,6 +107,7 @@ class Trainer:
         self.src = resolve(cfg.model, cfg.tokenizer)
         self.model_config = self.src.model_config
         tok = load_tokenizer(self.src.tokenizer_dir)
+        self.tokenizer_sha = hashlib.sha256(tok.to_str().encode()).hexdigest()[:16]
         self.bos = self.model_config.bos_token_id
         eos = self.model_config.eos_token_ids
         self.eos_ids = list(eos) if eos else [tok.token_to_id("<|end_of_text|>") or 0]
@@ -272,8 +274,7 @@ class Trainer:
             writer.write_json(tmp, "state.json", {
                 "step": self.step, "world_size": self.world_size, "optimizer": skeleton,
                 "scaler": self.precision.state_dict(), "skipped_total": self.skipped_total,
-                "skipped_in_row": self.skipped_in_row, "data": {"windows": self.data.num_windows,
-                                                                "seq_len": self.cfg.seq_len, "seed": self.cfg.seed},
+                "skipped_in_row": self.skipped_in_row, "data": self._data_identity(),
                 "config": self.cfg.to_json(),
             })
         distributed.barrier(self.world)
@@ -284,15 +285,21 @@ class Trainer:
         distributed.barrier(self.world)
         return path
 
+    def _data_identity(self) -> dict:
+        """What must match for a resumed run to read the windows the interrupted one would have."""
+        return {"windows": self.data.num_windows, "seq_len": self.cfg.seq_len, "seed": self.cfg.seed,
+                "tokenizer_sha256": self.tokenizer_sha}
+
     def load_checkpoint(self, path: Path) -> None:
         state = ckpt.read_json(path, "state.json")
         if state["world_size"] != self.world_size:
             raise StrataError(f"{path} was written by {state['world_size']} rank(s), this run has "
                               f"{self.world_size}; resume with the same world size (or a fresh --out-dir)")
-        want = {"windows": self.data.num_windows, "seq_len": self.cfg.seq_len, "seed": self.cfg.seed}
+        want = self._data_identity()
         if state["data"] != want:
             raise StrataError(f"{path}: the data differ from the run that wrote it ({state['data']} vs {want}); "
-                              "resume with the same --data, --seq-len and --seed, or use a fresh --out-dir")
+                              "resume with the same --data, --tokenizer, --seq-len and --seed, or use a fresh "
+                              "--out-dir")
         model_state = ckpt.read_tensors(path, "model.safetensors")
         optim_state = ckpt.unflatten(state["optimizer"], ckpt.read_tensors(path, "optimizer.safetensors"))
         if self.cfg.distributed == "fsdp" and self.world is not None:

@@ -23,8 +23,8 @@ from strata.engine.sampling_params import MAX_N
 from tests.server.serverproc import STARTUP_TIMEOUT, Server, free_port
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
-BASE = {COMPLETIONS: {"model": "demo-v1", "prompt": "Once", "max_tokens": 2, "temperature": 0},
-        CHAT: {"model": "demo-v1", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0}}
+BASE = {COMPLETIONS: {"model": "demo-v2", "prompt": "Once", "max_tokens": 2, "temperature": 0},
+        CHAT: {"model": "demo-v2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0}}
 ERROR_KEYS = {"message", "type", "param", "code"}
 
 
@@ -235,7 +235,7 @@ def test_unknown_route_through_the_client(client):
     with pytest.raises(openai.APIStatusError) as info:
         client.get("/completions", cast_to=object)
     assert info.value.status_code == 405 and "use POST" in info.value.body["message"]
-    assert client.models.retrieve("demo-v1").id == "demo-v1"
+    assert client.models.retrieve("demo-v2").id == "demo-v2"
 
 
 def test_500_says_nothing_internal_and_gives_a_request_id(logged):

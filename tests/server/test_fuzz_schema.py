@@ -39,7 +39,7 @@ surrogates = st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF)
 odd_text = st.one_of(
     st.text(max_size=24),
     st.text(st.one_of(st.characters(), surrogates), max_size=12),
-    st.sampled_from(["", " ", "NaN", "nan", "inf", "-Infinity", "1e999", "0x10", "true", "null", "demo-v1",
+    st.sampled_from(["", " ", "NaN", "nan", "inf", "-Infinity", "1e999", "0x10", "true", "null", "demo-v2",
                      "<|eot_id|>", "<|start_header_id|>", "\x00", "\u202e\u0301", "\U0001f600" * 50, "\ud800",
                      "x" * 5000, "ü" * 3000]),
 )
@@ -70,7 +70,7 @@ PLAUSIBLE = {
     "echo": st.booleans(), "ignore_eos": st.booleans(), "best_of": st.integers(0, 3),
     "min_p": st.floats(0, 1), "presence_penalty": st.floats(-2, 2), "frequency_penalty": st.floats(-2, 2),
     "repetition_penalty": st.floats(0.5, 2), "skip_special_tokens": st.booleans(),
-    "include_stop_str_in_output": st.booleans(), "model": st.sampled_from(["demo-v1", None]),
+    "include_stop_str_in_output": st.booleans(), "model": st.sampled_from(["demo-v2", None]),
     "user": st.text(max_size=8), "metadata": st.dictionaries(st.text(max_size=4), st.text(max_size=4), max_size=2),
     "store": st.booleans(), "service_tier": st.sampled_from(["auto", "default"]),
     "logit_bias": st.sampled_from([{}, None, {"5": 1}]), "response_format": st.sampled_from([{"type": "text"},

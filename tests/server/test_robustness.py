@@ -64,7 +64,7 @@ def test_other_errors_and_server_survives(server):
     r = server.post(COMPLETIONS, content=b"{not json", headers={"Content-Type": "application/json"})
     assert r.status_code == 400 and "JSON" in error_of(r)["message"]
     r = server.post(COMPLETIONS, json={"model": "gpt-9", "prompt": "x"})
-    assert r.status_code == 404 and "demo-v1" in error_of(r)["message"]
+    assert r.status_code == 404 and "demo-v2" in error_of(r)["message"]
     r = server.post(COMPLETIONS, json={"prompt": "x" * 70_000})
     assert r.status_code == 413 and "65536" in error_of(r)["message"]
     r = server.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "PLANTED-FAULT"}]})

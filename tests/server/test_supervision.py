@@ -154,3 +154,31 @@ def test_outage_gate_names_the_outage():
 def test_restart_policy_backs_off_then_gives_up():
     p = procs.RestartPolicy(max_restarts=3, window=300, backoff=0.5)
     assert [p.next_delay() for _ in range(4)] == [0.5, 1.0, 2.0, None]
+
+
+def _tp_ranks(proc) -> list:
+    return [k for k in children_of(proc, want=3) if "strata.engine.tp_worker" in " ".join(k.cmdline())]
+
+
+def test_tensor_parallel_rank_sigkill_restarts_the_engine():
+    """A TP rank dies under the server: the request that finds it dead fails with an error (no
+    hang), the engine process exits and is restarted with fresh ranks, and serving resumes."""
+    s = start_server("--tensor-parallel-size", "2", "--comm-timeout", "30")
+    kids = children_of(s.proc, want=3)
+    try:
+        completes(s)
+        (rank1,) = _tp_ranks(s.proc)
+        rank1.send_signal(signal.SIGKILL)
+        t0 = time.monotonic()
+        r = s.post(COMPLETIONS, json=BODY)
+        assert r.status_code in (500, 503) and time.monotonic() - t0 < 60, r.text
+        assert wait_status(s, "/ready", lambda c: c == 200, timeout=RESTART_BOUND) == 200
+        completes(s)
+        (new_rank1,) = _tp_ranks(s.proc)
+        assert new_rank1.pid != rank1.pid
+        assert not wait_gone([rank1], timeout=10)
+    finally:
+        try:
+            assert s.stop() == 0
+        finally:
+            kill_tree(s.proc, kids)
