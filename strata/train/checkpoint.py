@@ -22,7 +22,6 @@ import logging
 import os
 import random
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -216,10 +215,3 @@ def read_tensors(path: Path, name: str) -> dict[str, torch.Tensor]:
 def read_json(path: Path, name: str) -> Any:
     return json.loads((path / name).read_text(encoding="utf-8"))
 
-
-def fsync_dir(path: Path) -> None:
-    _fsync(path)
-
-
-def make_temp_dir(parent: Path, prefix: str) -> Path:
-    return Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
