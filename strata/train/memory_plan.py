@@ -396,8 +396,7 @@ def predict_train_memory(cfg: ModelConfig, *, seq_len: int, micro_batch_size: in
 # is ~140 MiB alone) and kernel table is resident; its tensors are a few KiB.
 _BASELINE_PROBE = """
 import resource, torch, tqdm
-import strata.cli
-strata.cli.build_parser()
+import strata.train.cli  # the command's own module (nothing below the CLI imports strata.cli)
 from strata.graph.models.llama import CausalLM
 from strata.kernels.dispatch import reference_kernels
 from strata.model_config import ModelConfig
