@@ -66,6 +66,9 @@ class EngineConfig:
     memory_fraction: float = 0.5  # of free memory, used when kv_cache_memory is None
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
+    # decode-first: while sequences decode, prefill at most this many tokens a step (None = auto:
+    # on CPU from the measured prefill rate and a target step time, engine/build.py; off on GPU)
+    max_prefill_tokens_while_decoding: int | None = None
     num_threads: int | None = None
     attention_backend: str = "auto"  # auto | torch | sdpa | cpu | triton
     quantization: str | None = None  # None | int8 | int4: weight-only, quantised at load
@@ -96,6 +99,9 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(f"{name}: must be a positive integer, got {v!r}")
+        v = self.max_prefill_tokens_while_decoding
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise ConfigError(f"max_prefill_tokens_while_decoding: must be a positive integer, got {v!r}")
         if self.max_model_len is not None and (
             not isinstance(self.max_model_len, int) or self.max_model_len < 1
         ):
@@ -119,10 +125,20 @@ class EngineConfig:
             raise ConfigError(f"enable_prefix_caching: must be True or False, got {self.enable_prefix_caching!r}")
         if self.quantization in ("none", ""):
             self.quantization = None
-        if self.quantization not in (None, "int8", "int4"):
+        if self.quantization not in (None, "int8", "int4", "bf16"):
             raise ConfigError(
-                f"quantization: unknown {self.quantization!r}; choose int8 or int4 (or None for none)"
+                f"quantization: unknown {self.quantization!r}; choose int8, int4 or bf16 (or None for none)"
             )
+        if self.quantization == "bf16":
+            if not self.device == "cpu":
+                raise ConfigError(f"quantization bf16 (bf16 weights, fp32 compute) is a CPU path; on "
+                                  f"{self.device!r} use --dtype bfloat16")
+            if self.dtype not in ("auto", "float32"):
+                raise ConfigError(f"quantization bf16 computes in fp32 over bf16 weights; --dtype {self.dtype} "
+                                  "contradicts it: use --dtype float32 (or auto)")
+            if self.tensor_parallel_size != 1:
+                raise ConfigError("quantization bf16 does not support tensor parallelism yet; use --dtype "
+                                  "bfloat16 or --quantization int8 with --tensor-parallel-size")
         if self.quantization_group_size not in (32, 64, 128):
             raise ConfigError(
                 f"quantization_group_size: must be 32, 64 or 128, got {self.quantization_group_size!r}"

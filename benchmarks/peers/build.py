@@ -18,7 +18,7 @@ from typing import Any
 
 from .convert import convert, verify_gguf
 from .runner import Ctx, StepError, read_json
-from .settings import BUILD_TARGETS, CMAKE_FLAGS
+from .settings import BUILD_TARGETS, CMAKE_FLAGS, EXTRA_TARGETS, NO_AMX_FLAGS
 
 
 def sdist_path(ctx: Ctx) -> Path:
@@ -90,10 +90,21 @@ def cpu_key() -> str:
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:12]
 
 
-def build_llama(ctx: Ctx, llama: Path) -> Path:
-    """cmake configure + build of BUILD_TARGETS, skipped when the stamp matches; returns bin/."""
+def build_llama(ctx: Ctx, llama: Path, flags: tuple[str, ...] = CMAKE_FLAGS) -> Path:
+    """cmake configure + build of BUILD_TARGETS, skipped when the stamp matches (EXTRA_TARGETS
+    are added to a cached tree incrementally); returns bin/."""
+    bins = _build_llama(ctx, llama, flags)
+    missing = [t for t in EXTRA_TARGETS if not (bins / t).is_file()]
+    if missing:
+        ctx.run("prepare", "cmake-build-extra", ["cmake", "--build", bins.parent, "--config", "Release", "-j",
+                                                 str(ctx.args.jobs or os.cpu_count() or 2), "--target", *missing],
+                timeout=3600)
+    return bins
+
+
+def _build_llama(ctx: Ctx, llama: Path, flags: tuple[str, ...]) -> Path:
     ver = ctx.args.llama_cpp_python
-    key = {"sdist_version": ver, "cmake_flags": list(CMAKE_FLAGS), "targets": list(BUILD_TARGETS),
+    key = {"sdist_version": ver, "cmake_flags": list(flags), "targets": list(BUILD_TARGETS),
            "cpu": cpu_key()}
     key_hash = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:10]
     bdir = ctx.cache / "build" / f"llama.cpp-{ver}-{key_hash}"
@@ -114,7 +125,7 @@ def build_llama(ctx: Ctx, llama: Path) -> Path:
     bdir.mkdir(parents=True, exist_ok=True)
     stamp.unlink(missing_ok=True)
     t0 = time.perf_counter()
-    ctx.run("prepare", "cmake-configure", ["cmake", "-S", llama, "-B", bdir, *CMAKE_FLAGS], timeout=1800)
+    ctx.run("prepare", "cmake-configure", ["cmake", "-S", llama, "-B", bdir, *flags], timeout=1800)
     ctx.run("prepare", "cmake-build", ["cmake", "--build", bdir, "--config", "Release", "-j", str(jobs),
                                        "--target", *BUILD_TARGETS], timeout=7200)
     build_s = time.perf_counter() - t0
@@ -124,6 +135,11 @@ def build_llama(ctx: Ctx, llama: Path) -> Path:
                             "jobs": jobs}
     print(f"llama.cpp build: {build_s:.0f} s", flush=True)
     return bins
+
+
+def _illegal_instruction(message: str) -> bool:
+    """A failed step's message names a SIGILL death (rc -4 from Python, 132 from a shell)."""
+    return "rc -4)" in message or "rc 132)" in message or "Illegal instruction" in message
 
 
 def prepare(ctx: Ctx, shapes: list[str]) -> dict[str, dict[str, Path]]:
@@ -143,7 +159,20 @@ def prepare(ctx: Ctx, shapes: list[str]) -> dict[str, dict[str, Path]]:
     ctx.results["versions"]["llama_cpp"] = info
     ctx.bin_dir = build_llama(ctx, llama)
     ggufs = convert(ctx, llama, shapes)
-    verify_gguf(ctx, ggufs)
+    info["variant"] = "native (GGML_NATIVE=ON)"
+    try:
+        verify_gguf(ctx, ggufs)
+    except StepError as e:
+        if not _illegal_instruction(str(e)):
+            raise
+        # e.g. a VM that reports AMX but cannot run its tiles: the same flags with AMX off
+        print("llama.cpp died on an illegal instruction in its verify step; rebuilding with AMX off", flush=True)
+        info["cmake_flags"] = [*CMAKE_FLAGS, *NO_AMX_FLAGS]
+        info["variant"] = "native with AMX off (the native build died with SIGILL: " + str(e).splitlines()[0] + ")"
+        ctx.bin_dir = build_llama(ctx, llama, (*CMAKE_FLAGS, *NO_AMX_FLAGS))
+        for path in (p for files in ggufs.values() for p in files.values()):
+            path.with_suffix(".verified").unlink(missing_ok=True)
+        verify_gguf(ctx, ggufs)
     try:
         v = subprocess.run([ctx.bin_dir / "llama-server", "--version"], capture_output=True, text=True,
                            timeout=60)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from .figures import parse_llama_bench
 from .runner import Ctx, StepError
-from .settings import HERE, OUTTYPES
+from .settings import HERE, OUTTYPES, QUANTIZED
 
 
 def converter_env(ctx: Ctx) -> dict[str, str]:
@@ -48,6 +48,15 @@ def convert(ctx: Ctx, llama: Path, shapes: list[str]) -> dict[str, dict[str, Pat
                 ctx.run("prepare", f"convert-{shape}-{t}",
                         [ctx.python, HERE / "convert_gguf.py", llama, model, "--outtype", t, "--outfile", tmp],
                         timeout=3600, env=env)
+                tmp.rename(dst)
+            out[shape][t] = dst
+        for t, src in QUANTIZED.items():
+            dst = gdir / f"{shape}-{t}.gguf"
+            if not dst.is_file():
+                tmp = dst.with_suffix(".tmp.gguf")
+                ctx.run("prepare", f"quantize-{shape}-{t}",
+                        [ctx.bin_dir / "llama-quantize", out[shape][src], tmp, t, str(ctx.args.threads)],
+                        timeout=3600)
                 tmp.rename(dst)
             out[shape][t] = dst
     return out

@@ -18,7 +18,7 @@ from .figures import (
 )
 from .monitor import loadavg
 from .runner import Ctx, Server, free_port, read_json
-from .settings import RATE_FACTORS, rng_text
+from .settings import GGUF_TYPES, RATE_FACTORS, rng_text
 
 
 def measure(ctx: Ctx, what: str, fn: Any) -> Any:
@@ -55,7 +55,7 @@ def part_latency(ctx: Ctx, shape: str, ggufs: dict[str, Path]) -> dict:
     res: dict[str, Any] = {"loadavg_before": loadavg()}
     out_dir = ctx.run_dir / "latency"
     out_dir.mkdir(exist_ok=True)
-    files = [ggufs[t] for t in ("f32", "q8_0", "f16")]
+    files = [ggufs[t] for t in GGUF_TYPES]
     margs = [a for f in files for a in ("-m", f)]
     common = ["-t", str(args.threads), "-r", str(wl.bench_reps), "-o", "json"]
 
@@ -71,7 +71,7 @@ def part_latency(ctx: Ctx, shape: str, ggufs: dict[str, Path]) -> dict:
 
     rows, busy = measure(ctx, f"{shape} llama-bench", llama)
     (out_dir / f"llama-bench-{shape}.json").write_text(json.dumps(rows, indent=2) + "\n")
-    for t in ("f32", "q8_0", "f16"):
+    for t in GGUF_TYPES:
         name = ggufs[t].name
         p = pick_bench(rows, name, wl.lat_in, 0, 0)
         g = pick_bench(rows, name, 0, wl.lat_out, wl.lat_in)
@@ -99,10 +99,13 @@ def part_latency(ctx: Ctx, shape: str, ggufs: dict[str, Path]) -> dict:
             res[key] = {"prefill_tps": d[src]["prefill_tokens_per_s"], "decode_tps": d[src]["decode_tokens_per_s"],
                         "mbu": d[src].get("mbu"), "achieved_gbs": d[src].get("achieved_gbs"), "others_cpu": busy}
     res["mem_bandwidth_gbs_fp32_run"] = d.get("mem_bandwidth_gbs")
-    d, busy = strata(["--quantization", "int8"], "int8")
-    res["strata_int8"] = {"prefill_tps": d["strata"]["prefill_tokens_per_s"],
-                          "decode_tps": d["strata"]["decode_tokens_per_s"], "mbu": d["strata"].get("mbu"),
-                          "others_cpu": busy}
+    # the same rounding as the bf16 GGUF (the random checkpoints are fp32); int4 group 32 = q4_0's blocks
+    for tag, extra in (("bf16", ["--quantization", "bf16"]), ("int8", ["--quantization", "int8"]),
+                       ("int4", ["--quantization", "int4", "--quantization-group-size", "32"])):
+        d, busy = strata(extra, tag)
+        res[f"strata_{tag}"] = {"prefill_tps": d["strata"]["prefill_tokens_per_s"],
+                                "decode_tps": d["strata"]["decode_tokens_per_s"], "mbu": d["strata"].get("mbu"),
+                                "others_cpu": busy}
     res["loadavg_after"] = loadavg()
     return res
 

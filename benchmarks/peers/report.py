@@ -78,6 +78,9 @@ def render_markdown(res: dict) -> str:
                   f"{host.get('cores_logical', m.get('cpus'))} logical"],
         ["memory", _mib(host.get("memory_total_bytes") or m.get("memory_bytes"))],
         ["ISA", ", ".join(k for k, on in (host.get("isa") or {}).items() if on) or "-"],
+        ["AMX (bf16 / int8 tiles)", "yes" if any(on for k, on in (host.get("isa") or {}).items() if "amx" in k)
+         else "no: runs on other machines (with AMX) are not comparable row for row"],
+        ["bf16 GEMM (512 rows, measured)", f"{fmt_num((meas.get('gemm_gflops') or {}).get('bfloat16'))} GFLOP/s"],
         ["memory bandwidth (torch read, measured)", f"{fmt_num(meas.get('mem_bandwidth_gbs'))} GB/s"],
         ["memory bandwidth (numpy read, measured)", f"{fmt_num(meas.get('numpy_read_gbs'))} GB/s"],
         ["fp32 GEMM (512 rows, measured)", f"{fmt_num((meas.get('gemm_gflops') or {}).get('float32'))} GFLOP/s"],
@@ -121,9 +124,14 @@ def render_markdown(res: dict) -> str:
       "transformers are one timed run after a warm-up (`strata bench latency`, transformers via "
       "`--compare hf`: one prefill forward, then a greedy loop over a DynamicCache). "
       "\"Strata ÷ this\" > 1 means Strata is faster.\n")
-    w("8-bit rows are not the same format: Strata's int8 is symmetric per output row with fp32 "
-      "activations (dequantised in the kernel); llama.cpp's q8_0 stores blocks of 32 weights with an "
-      "fp16 scale and quantises the activations to 8 bits too, so it runs integer dot products (VNNI).\n")
+    w("Comparable precision, row by row: Strata's bf16 stores the weights in bf16 (rounded from the fp32 "
+      "checkpoint exactly as the bf16 GGUF is) and computes with fp32 activations (decode reads the weights "
+      "narrow; prefill uses the GEMM `dtype=auto` measured fastest, oneDNN bf16 where the CPU has bf16 "
+      "arithmetic). Strata's int8 is symmetric per output row; on a CPU with AVX-512 VNNI its batch-1..16 "
+      "GEMV quantises the activations to int8 per 64 columns and runs integer dot products, as q8_0 does "
+      "per 32 (q8_0 scales weights per block of 32). Strata's int4 uses groups of 32, like q4_0, with int8 "
+      "activations at batch 1 where VNNI. Prefill of int8/int4 dequantises tiles to fp32 for the GEMM.\n")
+    w(f"llama.cpp variant used: {(res.get('versions') or {}).get('llama_cpp', {}).get('variant', 'native')}.\n")
     for shape, sr in (res.get("latency") or {}).items():
         w(f"### {shape}\n")
         w(latency_table(sr) + "\n")

@@ -22,7 +22,13 @@ CMAKE_FLAGS = (
     "-DLLAMA_BUILD_TESTS=OFF",
     "-DLLAMA_BUILD_EXAMPLES=OFF",
 )
-OUTTYPES = ("f32", "f16", "q8_0")
+EXTRA_TARGETS = ("llama-quantize",)  # built into the same tree when missing (incremental, ~1 min)
+OUTTYPES = ("f32", "f16", "bf16", "q8_0")  # written by convert_hf_to_gguf.py
+QUANTIZED = {"q4_0": "f32"}  # written by llama-quantize from the GGUF of this outtype
+GGUF_TYPES = (*OUTTYPES, *QUANTIZED)
+# Rebuilt with these when the native build dies on an illegal instruction (SIGILL) in its verify
+# step, as it did on a Xeon VM whose AMX tiles the guest could not use.
+NO_AMX_FLAGS = ("-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF")
 ALL_SHAPES = ("smol-135m", "qwen-0.5b")
 PARTS = ("latency", "throughput", "serving")
 RATE_FACTORS = {"low": 0.3, "near": 0.9, "over": 1.5}  # x the saturation request rate

@@ -46,9 +46,13 @@ LATENCY_ROWS = (
     ("strata_fp32", "**Strata**", "fp32", None),
     ("llama_f32", "llama.cpp", "f32 GGUF", "strata_fp32"),
     ("hf_fp32", "transformers", "fp32", "strata_fp32"),
-    ("strata_int8", "**Strata**", "int8 (per row, fp32 activations)", None),
+    ("strata_bf16", "**Strata**", "bf16 weights, fp32 activations", None),
+    ("llama_bf16", "llama.cpp", "bf16 GGUF", "strata_bf16"),
+    ("llama_f16", "llama.cpp", "f16 GGUF", "strata_bf16"),
+    ("strata_int8", "**Strata**", "int8 (per row; int8 activations per 64 columns where VNNI)", None),
     ("llama_q8_0", "llama.cpp", "q8_0 GGUF (blocks of 32)", "strata_int8"),
-    ("llama_f16", "llama.cpp", "f16 GGUF (vs Strata fp32)", "strata_fp32"),
+    ("strata_int4", "**Strata**", "int4 (groups of 32; int8 activations where VNNI)", None),
+    ("llama_q4_0", "llama.cpp", "q4_0 GGUF (blocks of 32)", "strata_int4"),
 )
 
 

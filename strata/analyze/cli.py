@@ -108,7 +108,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--hardware", default="this", help="NAME, NAMExN (e.g. H100x8) or 'this' (default)")
     p.add_argument("--dtype", default=engine_default("dtype"),
                    help="auto | float32 | bfloat16 | float16 (default auto, as the engine)")
-    p.add_argument("--quantization", default=None, choices=["int8", "int4"])
+    p.add_argument("--quantization", default=None, choices=["int8", "int4", "bf16"],
+                   help="weight-only int8 / int4, or bf16 weights with fp32 compute (CPU)")
     p.add_argument("--quantization-group-size", type=int, default=engine_default("quantization_group_size"),
                    choices=[32, 64, 128])
     p.add_argument("--max-model-len", type=int, default=None, help="L (default: the model's max positions)")

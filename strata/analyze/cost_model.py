@@ -127,7 +127,16 @@ def this_device(profile, dtype: torch.dtype, quantization: str | None, count: in
         return table[key]
 
     notes = [f"measured on this machine by strata hw ({profile.name}, {profile.threads} threads)"]
-    if cpu and quantization is not None:
+    if cpu and quantization == "bf16":  # bf16 weights, fp32 compute (memory/bf16_weights.py)
+        from strata.hardware.dtype_policy import bf16_storage
+
+        prefill = bf16_storage(profile, torch.bfloat16)[1]  # the GEMM the engine will pick
+        stream = need(profile.linear_gbs, "bfloat16", "batch-1 linear")
+        few = need(profile.matmul_gflops, "bfloat16", "batched linear")
+        gemm = need(profile.gemm_gflops, "bfloat16" if prefill == "bf16" else "float32", "GEMM")
+        attn = profile.sdpa_gflops.get("float32", 0.0)
+        notes.append(f"bf16 weights read narrow at decode; prefill GEMM {prefill} (as the engine picks it)")
+    elif cpu and quantization is not None:
         stream = need(profile.quant_linear_gbs, quantization, "quantised batch-1")
         few = need(profile.quant_matmul_gflops, quantization, "quantised batch-16")
         gemm = need(profile.gemm_gflops, "float32", "GEMM")

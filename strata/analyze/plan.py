@@ -275,8 +275,8 @@ def _resolve_dtype(name: str, cfg: ModelConfig, profile) -> torch.dtype:
 def build_plan(req: PlanRequest, profile=None, overhead=None) -> Plan:
     """The whole plan. `profile` (a HardwareProfile) and `overhead` (a StepOverhead) are measured
     here for `this` when not given; tests inject them."""
-    if req.quantization not in (None, "int8", "int4"):
-        raise ConfigError(f"--quantization {req.quantization!r}: choose int8 or int4")
+    if req.quantization not in (None, "int8", "int4", "bf16"):
+        raise ConfigError(f"--quantization {req.quantization!r}: choose int8, int4 or bf16")
     if req.batch < 1:
         raise ConfigError(f"--batch: must be >= 1, got {req.batch}")
     cfg, model_name = resolve_model(req.model)

@@ -5,9 +5,12 @@ and the step-overhead calibration: the DRAM bandwidth of a shared VM moves withi
 prediction must see the machine the measurement sees), build `strata plan` for `this`, then run
 `strata bench latency` for the three cases and print every predicted/measured pair:
 
-  batch-1 decode tok/s   128-token prompt, 128 output tokens   (target: within 15%)
-  512-token prefill ms   batch 1, 8 output tokens              (target: within 15%)
-  batch-16 decode tok/s  128-token prompt, 64 output tokens    (target: within 25%)
+  batch-1 decode tok/s   128-token prompt, 128 output tokens   (target: within 10%)
+  512-token prefill ms   batch 1, 8 output tokens              (target: within 10%)
+  batch-16 decode tok/s  128-token prompt, 64 output tokens    (target: within 20%)
+
+`--quantization bf16|int8|int4` checks the other weight paths the same way (bf16 weights with fp32
+compute; int8/int4 with their VNNI integer kernels where the CPU has them).
 
 Decode is predicted at the mean context the measured steps attend over (prompt + output / 2),
 with the weight-streaming rate re-measured just before and just after each run (the median GEMV
@@ -34,9 +37,9 @@ HELP = "strata plan's predictions vs strata bench latency, measured in one run"
 
 # (case, batch, input_len, output_len, target relative error)
 CASES = [
-    ("batch-1 decode", 1, 128, 128, 0.15),
-    ("512-token prefill", 1, 512, 8, 0.15),
-    ("batch-16 decode", 16, 128, 64, 0.25),
+    ("batch-1 decode", 1, 128, 128, 0.10),
+    ("512-token prefill", 1, 512, 8, 0.10),
+    ("batch-16 decode", 16, 128, 64, 0.20),
 ]
 
 
@@ -45,47 +48,70 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="random shape (smol-135m, qwen-0.5b, tiny) or HF directory; repeatable "
                         "(default: smol-135m and qwen-0.5b)")
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--quantization", default=None, choices=["bf16", "int8", "int4"],
+                   help="the weight path to check (default: the dtype's own weights)")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the pairs as JSON")
 
 
-def _measure(model: str, dtype: str, batch: int, input_len: int, output_len: int) -> dict:
+def _measure(model: str, dtype: str, quantization: str | None, batch: int, input_len: int,
+             output_len: int) -> dict:
     """One `strata bench latency` run in a child process (its own memory, as a user would run it)."""
     source = ["--random-model", model] if not Path(model).exists() else ["--model", model]
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "latency.json"
         cmd = [sys.executable, "-m", "strata", "bench", "latency", *source, "--dtype", dtype,
                "--batch", str(batch), "--input-len", str(input_len), "--output-len", str(output_len),
-               "--json", str(out)]
+               "--json", str(out), *(["--quantization", quantization] if quantization else [])]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
         return json.loads(out.read_text())["strata"]
 
 
-def _stream_now(dtype: str, seconds: float = 1.0) -> float:
-    """Median batch-1 GEMV rate (GB/s of weights) over `seconds`, through Strata's kernels."""
+def _stream_now(dtype: str, quantization: str | None, seconds: float = 1.0) -> float:
+    """Median batch-1 GEMV rate (GB/s of weights) over `seconds`, through the kernels the engine
+    runs for this weight path (the rate the profile holds for it: linear_gbs or quant_linear_gbs)."""
     import statistics
     import time
 
     import torch
 
-    from strata.hardware.measure import CPU_LINEAR_SHAPE
+    from strata.hardware.measure import CPU_LINEAR_SHAPE, QUANT_LINEAR_SHAPE
+    from strata.kernels import cpu_quant
     from strata.kernels.linear import linear
 
     with torch.inference_mode():
-        w = torch.randn(*CPU_LINEAR_SHAPE).to(getattr(torch, dtype))
-        x = torch.randn(1, w.shape[1], dtype=w.dtype)
-        linear(x, w)
+        if quantization in ("int8", "int4"):
+            n, k = QUANT_LINEAR_SHAPE
+            cols = k if quantization == "int8" else 2 * k
+            if quantization == "int8":
+                w, s = torch.randint(-127, 128, (n, cols), dtype=torch.int8).numpy(), torch.rand(n).numpy()
+            else:
+                w = torch.randint(0, 256, (n, cols // 2), dtype=torch.uint8).numpy()
+                s = torch.rand(n, cols // 64).numpy()
+            x = torch.randn(1, cols)
+            nbytes = w.nbytes + s.nbytes
+
+            def call():
+                return cpu_quant.gemv(quantization, x, w, s, 64)
+        else:
+            w = torch.randn(*CPU_LINEAR_SHAPE).to(torch.bfloat16 if quantization == "bf16" else getattr(torch, dtype))
+            x = torch.randn(1, w.shape[1], dtype=w.dtype)
+            nbytes = w.numel() * w.element_size()
+
+            def call():
+                return linear(x, w)
+        call()
         rates, end = [], time.perf_counter() + seconds
         while time.perf_counter() < end or len(rates) < 5:
             t0 = time.perf_counter()
-            linear(x, w)
-            rates.append(w.numel() * w.element_size() / (time.perf_counter() - t0) / 1e9)
+            call()
+            rates.append(nbytes / (time.perf_counter() - t0) / 1e9)
     return statistics.median(rates)
 
 
-def _predict(model: str, dtype: str):
+def _predict(model: str, dtype: str, quantization: str | None):
     from strata.analyze.plan import PlanRequest, build_plan
 
-    req = PlanRequest(model=model, dtype=dtype, batch=16, input_len=512, context=192, max_model_len=2048,
+    req = PlanRequest(model=model, dtype=dtype, quantization=quantization, batch=16, input_len=512, context=192, max_model_len=2048,
                       refresh=True)
     return build_plan(req)
 
@@ -99,17 +125,18 @@ def main(args: argparse.Namespace) -> int:
     rows, pairs = [], []
     for model in models:
         print(f"{model}: measuring this machine and planning ...", flush=True)
-        plan = _predict(model, args.dtype)
+        plan = _predict(model, args.dtype, args.quantization)
         cfg, _ = resolve_model(model)
         import torch
 
-        shape = ModelShape.of(cfg, getattr(torch, plan.dtype), None, engine_default("quantization_group_size"))
+        shape = ModelShape.of(cfg, getattr(torch, plan.dtype), args.quantization,
+                              engine_default("quantization_group_size"))
         for case, batch, n_in, n_out, target in CASES:
             print(f"{model}: strata bench latency, {case} ...", flush=True)
             cpu = plan.device.kind == "cpu"  # the drift re-measurement is a CPU GEMV
-            before = _stream_now(plan.dtype) if cpu else plan.device.stream_gbs
-            got = _measure(model, args.dtype, batch, n_in, n_out)
-            stream = (before + _stream_now(plan.dtype)) / 2 if cpu else before
+            before = _stream_now(plan.dtype, args.quantization) if cpu else plan.device.stream_gbs
+            got = _measure(model, args.dtype, args.quantization, batch, n_in, n_out)
+            stream = (before + _stream_now(plan.dtype, args.quantization)) / 2 if cpu else before
             if case.endswith("prefill"):
                 predicted, measured, unit = plan.prefill.total_s * 1e3, got["prefill_s"] * 1e3, "ms"
                 stream = plan.device.stream_gbs  # compute-bound: the plan's own figures
@@ -128,6 +155,7 @@ def main(args: argparse.Namespace) -> int:
     print_table(["model", "case", "unit", "predicted", "measured", "error", "target", "within", "GEMV GB/s"],
                 rows)
     held = sum(p["ok"] for p in pairs)
-    print(f"\n{held}/{len(pairs)} pairs within target ({args.dtype}; predictions from `strata plan --hardware this`)")
-    write_json(args.json, {"dtype": args.dtype, "pairs": pairs})
+    path = args.dtype + (f" + {args.quantization} weights" if args.quantization else "")
+    print(f"\n{held}/{len(pairs)} pairs within target ({path}; predictions from `strata plan --hardware this`)")
+    write_json(args.json, {"dtype": args.dtype, "quantization": args.quantization, "pairs": pairs})
     return 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -117,3 +118,54 @@ def write_json(path: str | None, data: dict) -> None:
         return
     Path(path).write_text(json.dumps(_finite(data), indent=2, allow_nan=False) + "\n")
     print(f"wrote {path}")
+
+
+def add_repeat_args(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--repeats", type=int, default=3,
+                   help="timed runs per engine (default 3); tables show the median and the spread "
+                   "(max - min) / median of each rate")
+
+
+def median_of_runs(runs: list[dict], keys: tuple[str, ...]) -> dict:
+    """The median run's figures (per key), the spread of each key across runs, and the runs."""
+    out = {k: float(np.median([r[k] for r in runs])) for k in runs[0] if isinstance(runs[0][k], int | float)}
+    out["spread"] = {k: spread([r[k] for r in runs]) for k in keys}
+    out["runs"] = runs
+    return out
+
+
+def spread(values: list[float]) -> float:
+    """(max - min) / median: how far repeated measurements of one quantity disagree."""
+    mid = float(np.median(values))
+    return (max(values) - min(values)) / mid if mid > 0 else float("nan")
+
+
+def load_average() -> float:
+    """The 1-minute load average (NaN where the OS has none)."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return float("nan")
+
+
+UNSTABLE_BANDWIDTH = 0.2  # memory bandwidth before vs after a run differing by more: flagged
+UNSTABLE_SPREAD = 0.15  # repeated runs of one rate disagreeing by more: flagged
+
+
+def stability_notes(bw_before: float, bw_after: float, load_before: float, load_after: float, busy_threads: int,
+                    spreads: dict[str, dict[str, float]]) -> list[str]:
+    """Why a measurement should not be trusted, if it should not: the machine's memory bandwidth
+    moved during it, other processes loaded the cores, or the repeats disagree."""
+    notes = []
+    if min(bw_before, bw_after) > 0 and abs(bw_after - bw_before) / max(bw_before, bw_after) > UNSTABLE_BANDWIDTH:
+        notes.append(f"memory bandwidth moved during the run ({bw_before:.1f} -> {bw_after:.1f} GB/s)")
+    cores = os.cpu_count() or 1
+    others = max(load_before, load_after) - busy_threads  # the load this benchmark adds itself
+    if others == others and others > 0.5 * cores:
+        notes.append(f"other processes loaded the CPU (load average {load_before:.1f} -> {load_after:.1f} "
+                     f"on {cores} cores, {busy_threads} of it ours)")
+    for engine, s in spreads.items():
+        wide = {k: v for k, v in s.items() if v == v and v > UNSTABLE_SPREAD}
+        if wide:
+            notes.append(f"{engine}: repeats disagree by " + ", ".join(f"{k} {v:.0%}" for k, v in wide.items()))
+    return notes

@@ -34,12 +34,16 @@ import torch
 
 from strata.bench.common import (
     add_model_args,
+    add_repeat_args,
     bench_engine_kwargs,
     capture_stats,
+    load_average,
+    median_of_runs,
     random_prompts,
     ratio,
     resolve_model,
     special_ids,
+    stability_notes,
     warm_capture,
     write_json,
 )
@@ -61,6 +65,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--output-len", type=int, default=128, help="output tokens per sequence, >= 2 (default 128)")
     g.add_argument("--warmup", type=int, default=1, help="untimed warm-up runs (short outputs) before timing")
     g.add_argument("--seed", type=int, default=0, help="seed for the token ids")
+    add_repeat_args(g)
     g.add_argument("--profile", action="store_true",
                    help="after the timed run, profile the decode loop: top-5 operators/kernels by self time "
                    "and the host-overhead share of step time")
@@ -94,10 +99,22 @@ def figures(
     }
 
 
+_SPREAD = ("prefill_tokens_per_s", "decode_tokens_per_s")
+
+
 def _row(name: str, f: dict) -> list:
-    return [name, f["prefill_s"] * 1e3, f["prefill_tokens_per_s"], f["prefill_gflops"], f["ms_per_step"],
-            f["decode_tokens_per_s_per_seq"], f["decode_tokens_per_s"], f["achieved_gbs"],
-            f"{f['mbu']:.1%}"]
+    s = f["spread"]
+    return [name, f["prefill_s"] * 1e3, f["prefill_tokens_per_s"], f"{s['prefill_tokens_per_s']:.0%}",
+            f["prefill_gflops"], f["ms_per_step"], f["decode_tokens_per_s_per_seq"], f["decode_tokens_per_s"],
+            f"{s['decode_tokens_per_s']:.0%}", f["achieved_gbs"], f"{f['mbu']:.1%}"]
+
+
+def _repeat_prompts(args: argparse.Namespace, vocab: int, avoid: set[int], first: list[list[int]]) -> list:
+    """Fresh prompts for every repeat after the first (the same ones again would hit the prefix cache)."""
+    return [first] + [
+        random_prompts(np.random.default_rng(args.seed + 2000 + i), vocab, [args.input_len] * args.batch, avoid)
+        for i in range(1, args.repeats)
+    ]
 
 
 def _strata_run(llm, prompts: list[list[int]], output_len: int) -> tuple[float, float]:
@@ -119,7 +136,8 @@ def main(args: argparse.Namespace) -> int:
     from strata.hardware.probe import measure_mem_bandwidth
 
     for flag, v, lo in (("--batch", args.batch, 1), ("--input-len", args.input_len, 1),
-                        ("--output-len", args.output_len, 2), ("--warmup", args.warmup, 0)):
+                        ("--output-len", args.output_len, 2), ("--warmup", args.warmup, 0),
+                        ("--repeats", args.repeats, 1)):
         if v < lo:
             raise ConfigError(f"{flag}: must be >= {lo}, got {v}")
     need = args.input_len + args.output_len
@@ -141,7 +159,7 @@ def main(args: argparse.Namespace) -> int:
         "benchmark": NAME, "model": str(eng.model_path), "architecture": cfg.architecture, "params": params,
         "dtype": str(eng.dtype).replace("torch.", ""), "device": args.device, "threads": eng.threads,
         "batch": args.batch, "input_len": args.input_len, "output_len": args.output_len,
-        "warmup": args.warmup, "seed": args.seed, "weight_bytes": wbytes, "kv_bytes_per_token": kvtok,
+        "warmup": args.warmup, "repeats": args.repeats, "seed": args.seed, "weight_bytes": wbytes, "kv_bytes_per_token": kvtok,
         "quantization": eng.config.quantization,
         "quantization_group_size": eng.config.quantization_group_size if eng.config.quantization == "int4" else None,
         "fuse": eng.config.fuse, "compile": eng.config.compile, "cuda_graphs": eng.config.cuda_graphs,
@@ -155,22 +173,25 @@ def main(args: argparse.Namespace) -> int:
         f"model {info['model']} ({cfg.architecture}, {params / 1e6:.0f}M params), {info['dtype']}{quant}, "
         f"{args.device}, {eng.threads} threads\n"
         f"batch {args.batch} x input {args.input_len}, output {args.output_len} "
-        f"({args.output_len - 1} decode steps), warmup {args.warmup}"
+        f"({args.output_len - 1} decode steps), warmup {args.warmup}, {args.repeats} timed runs per engine "
+        "(medians; spread = (max - min) / median)"
     )
     if args.batch * args.input_len > args.max_num_batched_tokens:
         print(f"note: {args.batch * args.input_len} prompt tokens exceed --max-num-batched-tokens "
               f"{args.max_num_batched_tokens}; Strata's prefill is chunked over several steps")
 
     bw = measure_mem_bandwidth(args.device)
-    info["mem_bandwidth_gbs"] = bw
+    info["mem_bandwidth_gbs"] = info["mem_bandwidth_before_gbs"] = bw
     kv_mean = args.batch * (args.input_len + args.output_len / 2) * kvtok
     print(f"memory bandwidth (measured now): {bw:.1f} GB/s; decode reads {wbytes / 1e6:.1f} MB weights "
           f"+ {kv_mean / 1e6:.1f} MB KV (mean) per step")
 
+    batches = _repeat_prompts(args, vocab, avoid, prompts)
+    load_before = load_average()
     warm_capture(eng)
     for w in warm:
         _strata_run(llm, w, warm_len)
-    prefill_s, decode_s = _strata_run(llm, prompts, args.output_len)
+    strata_runs = [_strata_run(llm, b, args.output_len) for b in batches]
     info["capture"] = capture_stats(eng)
     # DRAM bandwidth on a shared VM moves within seconds: measure again after the run and take
     # the higher figure, so MBU is against the best the machine showed around the run
@@ -178,7 +199,7 @@ def main(args: argparse.Namespace) -> int:
     print(f"memory bandwidth after the run: {after:.1f} GB/s; MBU uses {max(bw, after):.1f} GB/s (the higher)")
     bw = info["mem_bandwidth_gbs"] = max(bw, after)
     fig = dict(params=params, weight_bytes=wbytes, kv_bytes_per_token=kvtok, bandwidth_gbs=bw)
-    results = {"strata": figures(prefill_s, decode_s, args, **fig)}
+    results = {"strata": median_of_runs([figures(p, d, args, **fig) for p, d in strata_runs], _SPREAD)}
     rows = [_row("strata", results["strata"])]
     report = None
     if profile:
@@ -203,16 +224,23 @@ def main(args: argparse.Namespace) -> int:
         model = load_hf_model(str(path), dtype, args.device)
         for w in warm:
             hf_latency(model, w, warm_len, args.device, progress=False)
-        run = hf_latency(model, prompts, args.output_len, args.device)
-        results["hf"] = hf = figures(run.prefill_s, run.decode_s, args, **hf_fig)
+        hf_runs = [hf_latency(model, b, args.output_len, args.device) for b in batches]
+        results["hf"] = hf = median_of_runs(
+            [figures(r.prefill_s, r.decode_s, args, **hf_fig) for r in hf_runs], _SPREAD)
         results["ratio"] = r = {k: ratio(results["strata"][k], hf[k]) for k in _RATES}
         rows.append(_row("hf", hf))
-        rows.append(["strata/hf"] + [""] + [f"{r[k]:.2f}x" for k in _RATES[:2]] + [""]
-                    + [f"{r[k]:.2f}x" for k in _RATES[2:]])
+        rows.append(["strata/hf", "", f"{r[_RATES[0]]:.2f}x", "", f"{r[_RATES[1]]:.2f}x", "",
+                     f"{r[_RATES[2]]:.2f}x", f"{r[_RATES[3]]:.2f}x", "", f"{r[_RATES[4]]:.2f}x",
+                     f"{r[_RATES[5]]:.2f}x"])
 
+    spreads = {name: results[name]["spread"] for name in ("strata", "hf") if name in results}
+    info["unstable"] = stability_notes(info["mem_bandwidth_before_gbs"], after, load_before, load_average(),
+                                       info["threads"], spreads)
     print()
-    print_table(["engine", "prefill ms", "prefill tok/s", "prefill GFLOP/s", "ms/step",
-                 "tok/s/seq", "tok/s total", "decode GB/s", "MBU"], rows)
+    print_table(["engine", "prefill ms", "prefill tok/s", "±", "prefill GFLOP/s", "ms/step",
+                 "tok/s/seq", "tok/s total", "±", "decode GB/s", "MBU"], rows)
+    for note in info["unstable"]:
+        print(f"warning: unstable measurement: {note}; re-run on a quiet machine or with more --repeats")
     if info["capture"] is not None:
         c = info["capture"]
         print(f"captured decode: {c['compiles']} torch.compile compilations, {c['graphs']} CUDA graphs; "

@@ -53,10 +53,14 @@ FLAGS: tuple[_Flag, ...] = (
     _Flag("block_size", "tokens per KV block", type=int),
     _Flag("max_num_seqs", "most sequences running at once", type=int),
     _Flag("max_num_batched_tokens", "token budget of one step (prefill chunks + decodes)", type=int),
+    _Flag("max_prefill_tokens_while_decoding", "decode-first: while sequences decode, prefill at most this "
+          "many tokens a step, so running streams are not frozen behind a long prompt", type=int,
+          default_text="CPU: measured prefill rate x 0.15 s; GPU: no cap"),
     _Flag("num_threads", "compute threads", flag="--threads", type=int, default_text="physical cores"),
     _Flag("attention_backend", "paged attention kernels: auto | torch | sdpa | cpu | triton",
           choices=("auto", "torch", "sdpa", "cpu", "triton")),
-    _Flag("quantization", "weight-only quantisation of the dense projections at load", choices=("int8", "int4"),
+    _Flag("quantization", "weight-only quantisation of the dense projections at load (bf16: bf16 weights, "
+          "fp32 compute; dtype auto picks it on CPUs where it measures faster)", choices=("int8", "int4", "bf16"),
           default_text="none"),
     _Flag("quantization_group_size", "int4: input columns sharing one scale", type=int, choices=(32, 64, 128)),
     _Flag("enable_prefix_caching", "do not share cached KV blocks between requests with equal prompt prefixes",

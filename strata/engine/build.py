@@ -112,6 +112,67 @@ def resolve_dtype(name: str, device: str, checkpoint_dtype: torch.dtype) -> torc
     return auto_dtype(device, checkpoint_dtype)
 
 
+def resolve_weight_storage(config: EngineConfig, checkpoint_dtype: torch.dtype) -> EngineConfig:
+    """bf16 weight storage with fp32 compute (memory/bf16_weights.py): asked for with
+    quantization="bf16", or chosen by dtype="auto" on a CPU for a bf16 checkpoint when the hardware
+    layer measured it faster (dtype_policy.bf16_storage). Returns the config with dtype and
+    quantization filled in, and sets kernels/cpu_bf16.py's prefill GEMM path from the same
+    measurement."""
+    auto = (config.dtype == "auto" and config.quantization is None and config.device == "cpu"
+            and config.tensor_parallel_size == 1 and not config.compile)
+    if not auto and config.quantization != "bf16":
+        return config
+    from strata.hardware import dtype_policy
+    from strata.hardware.probe import probe
+    from strata.kernels import cpu_bf16
+
+    if not cpu_bf16.available():
+        if config.quantization == "bf16":
+            logger.warning("bf16 weights without numba: every projection widens its weight per call (slow)")
+        return config
+    use, prefill, why = dtype_policy.bf16_storage(probe("cpu"), torch.bfloat16 if not auto else checkpoint_dtype)
+    if auto and not use:
+        logger.info("auto dtype: fp32 weights kept (%s)", why)
+        return config
+    cpu_bf16.set_gemm(prefill)
+    logger.info("%s: bf16 weights, fp32 activations and KV cache; decode reads the weights narrow, "
+                "prefill %s (%s)", "auto dtype" if auto else "quantization bf16", prefill, why)
+    return dataclasses.replace(config, dtype="float32", quantization="bf16")
+
+
+DECODE_FIRST_STEP_S = 0.15  # CPU: the prefill share of a step while streams decode (ITL target 0.25 s)
+
+
+def decode_first_cap(config: EngineConfig, cfg: ModelConfig, dtype: torch.dtype) -> int | None:
+    """The scheduler's prefill-token cap while sequences decode: the configured one, else on CPU
+    the tokens the measured prefill GEMM rate computes in DECODE_FIRST_STEP_S (a multiple of the
+    block size, at least 4 blocks: smaller chunks waste the GEMM); no cap on GPUs, where a prefill
+    chunk of the default budget takes milliseconds."""
+    if config.max_prefill_tokens_while_decoding is not None:
+        return config.max_prefill_tokens_while_decoding
+    if config.device != "cpu":
+        return None
+    from strata.hardware.probe import probe
+
+    prof = probe("cpu")
+    name = "bfloat16" if config.quantization == "bf16" and cpu_bf16_gemm() == "bf16" else str(dtype).split(".")[-1]
+    gflops = prof.gemm_gflops.get(name) or prof.gemm_gflops.get("float32", 0.0)
+    if gflops <= 0:
+        return None
+    tokens_per_s = gflops * 1e9 / (2 * cfg.num_params())
+    blocks = max(4, int(tokens_per_s * DECODE_FIRST_STEP_S) // config.block_size)
+    cap = min(config.max_num_batched_tokens, blocks * config.block_size)
+    logger.info("decode-first: at most %d prefill tokens a step while sequences decode (measured GEMM %.0f "
+                "GFLOP/s ~ %.0f prefill tok/s x %.2f s)", cap, gflops, tokens_per_s, DECODE_FIRST_STEP_S)
+    return cap
+
+
+def cpu_bf16_gemm() -> str:
+    from strata.kernels import cpu_bf16
+
+    return cpu_bf16.gemm()
+
+
 def resolve_max_model_len(cfg: ModelConfig, requested: int | None) -> int:
     want = cfg.max_model_len(requested)
     if want < (requested or cfg.max_position_embeddings):
@@ -134,9 +195,13 @@ def load(ckpt: Checkpoint, dtype: torch.dtype, device: str, max_model_len: int):
 
 
 def quantize(model, config: EngineConfig):
-    """Weight-only int8/int4, applied to the built model from outside."""
+    """Weight-only int8/int4, or bf16 storage, applied to the built model from outside."""
     if config.quantization is None:
         return model
+    if config.quantization == "bf16":
+        from strata.memory.bf16_weights import narrow_model
+
+        return narrow_model(model)
     from strata.memory.quant import quantize_model
 
     t0 = time.perf_counter()
@@ -306,6 +371,7 @@ def build_engine(config: EngineConfig, detokenize: bool = True) -> EngineParts:
 def _build(config: EngineConfig, ckpt: Checkpoint, detokenize: bool, threads: int, ranks, comm,
            control) -> EngineParts:
     cfg = ckpt.model_config
+    config = resolve_weight_storage(config, cfg.torch_dtype)
     dtype = resolve_dtype(config.dtype, config.device, cfg.torch_dtype)
     max_len = resolve_max_model_len(cfg, config.max_model_len)
     model = quantize(load(ckpt, dtype, config.device, max_len), config)
@@ -330,7 +396,8 @@ def _build(config: EngineConfig, ckpt: Checkpoint, detokenize: bool, threads: in
                          forward=forward, decode_step=decode_step, swapper=swapper)
     lifecycle = SequenceLifecycle(ckpt.eos_token_ids, max_len, ckpt.tokenizer if detokenize else None)
     prefer_swap = SwapPolicy(config, plan, dtype, cfg)
-    scheduler = Scheduler(blocks, config.max_num_seqs, config.max_num_batched_tokens, prefer_swap, lifecycle)
+    scheduler = Scheduler(blocks, config.max_num_seqs, config.max_num_batched_tokens, prefer_swap, lifecycle,
+                          decode_first_cap(config, cfg, dtype))
     sampler = Sampler(cfg.vocab_size, ckpt.eos_token_ids, config.seed)
     return EngineParts(config, threads, ckpt, dtype, max_len, model, plan, blocks, kv_caches, fusion,
                        runner, scheduler, sampler, ranks, control)

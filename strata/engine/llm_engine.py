@@ -29,6 +29,7 @@ class LLMEngine:
         self.config = config
         self.detokenize = detokenize
         parts = build_engine(config, detokenize)  # engine/build.py: the ordered assembly
+        self.config = parts.config  # with what dtype="auto" resolved to (e.g. bf16 weight storage)
         ckpt = parts.checkpoint
         self.model_path, self.model_config, self.tokenizer = ckpt.path, ckpt.model_config, ckpt.tokenizer
         self.eos_token_ids, self.generation_defaults = ckpt.eos_token_ids, ckpt.generation_defaults

@@ -2,7 +2,10 @@
 
 Each step has a token budget (max_num_batched_tokens). Running sequences go first (decodes take
 one token, unfinished prefills take a chunk), then waiting sequences are admitted FCFS while the
-budget, max_num_seqs and free blocks allow. When a running sequence needs a block and none is
+budget, max_num_seqs and free blocks allow. Decode-first: while any sequence is decoding, the
+step's prefill tokens (chunks of running prefills and new admissions together) are capped at
+max_prefill_tokens_while_decoding, so a long prompt is spread over several steps instead of
+freezing every running stream for one long step. When a running sequence needs a block and none is
 free, the most recently admitted sequence is preempted: either by recompute (its blocks are freed
 and it returns to the head of the queue, to re-prefill prompt + output later) or by swap (its
 blocks are copied to the host pool and brought back, one step ahead, before new admissions). The
@@ -62,12 +65,16 @@ class Scheduler:
     def __init__(
         self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
         prefer_swap: Callable[[Sequence], bool] | None = None, lifecycle: SequenceLifecycle | None = None,
+        max_prefill_tokens_while_decoding: int | None = None,
     ) -> None:
         """prefer_swap(seq): the preemption policy when the block manager has a host pool
-        (default: always swap when it has room). lifecycle: sequence creation and stop rules."""
+        (default: always swap when it has room). lifecycle: sequence creation and stop rules.
+        max_prefill_tokens_while_decoding: decode-first cap on a step's prefill tokens whenever a
+        sequence is decoding (None: only the step budget)."""
         self.blocks = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_prefill_tokens_while_decoding = max_prefill_tokens_while_decoding
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()  # KV in host memory, resumed before new admissions
@@ -114,11 +121,19 @@ class Scheduler:
             self.running.append(seq)
         self._prefetched = []
         budget = self.max_num_batched_tokens
+        prefill_left = self._prefill_cap()
         scheduled_ids: set[int] = set()
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            n = min(remaining, budget)
+            if remaining > 1:  # a prefill chunk: under the decode-first cap
+                n = min(n, prefill_left)
+                if n == 0:
+                    i += 1
+                    continue
+                prefill_left -= n
             if not self._reserve(seq, n, out, scheduled_ids):
                 break  # seq itself was preempted; everything after it already was too
             out.scheduled.append(ScheduledSeq(seq, n))
@@ -128,11 +143,15 @@ class Scheduler:
         if not out.preempted:
             self._prefetch(out)
         if not out.preempted and not self.swapped:
-            while self.waiting and budget > 0 and len(self.running) + len(self._prefetched) < self.max_num_seqs:
+            while (self.waiting and budget > 0 and prefill_left > 0
+                   and len(self.running) + len(self._prefetched) < self.max_num_seqs):
                 seq = self.waiting[0]
                 match = self._match_prefix(seq)
                 start = seq.num_computed_tokens + (match.num_tokens if match else 0)
                 n = min(seq.num_tokens - start, budget)
+                if n > 1:
+                    n = min(n, prefill_left)
+                    prefill_left -= n
                 if not self.blocks.can_allocate(seq, start + n, match=match):
                     break  # FCFS: nobody overtakes the head of the queue
                 self.waiting.popleft()
@@ -151,6 +170,15 @@ class Scheduler:
             if s.samples and not s.seq.request.forked:
                 self._fork_request(s)
         return out
+
+    def _prefill_cap(self) -> int | float:
+        """Prefill tokens this step may take: the decode-first cap while any sequence decodes
+        (one token left to compute), else no cap beyond the step budget."""
+        cap = self.max_prefill_tokens_while_decoding
+        if cap is None:
+            return float("inf")
+        decoding = any(s.num_tokens - s.num_computed_tokens == 1 for s in (*self.running, *self._prefetched))
+        return cap if decoding else float("inf")
 
     def _fork_request(self, s: ScheduledSeq) -> None:
         """n > 1: this step computes the prompt's last token, so the other n - 1 sequences are

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from strata.graph.layers import apply_rotary
 from strata.kernels import attention as attn
-from strata.kernels import cpu_gemv, cpu_norm, cpu_rope
+from strata.kernels import cpu_norm, cpu_rope
 
 logger = logging.getLogger(__name__)
 
@@ -140,12 +140,13 @@ def paged_decode(
 
 def linear_swiglu(x: Tensor, gate_up_weight: Tensor) -> Tensor:
     """strata::linear_swiglu: silu(x @ gate.T) * (x @ up.T) for a [gate; up] weight (no bias): the
-    numba GEMV with its SwiGLU epilogue for few fp32 CPU rows, else linear then silu_mul_ref."""
-    if cpu_gemv.usable(x, gate_up_weight):
-        return cpu_gemv.gemv_swiglu(x, gate_up_weight)
+    numba GEMV with its SwiGLU epilogue for few CPU rows (fp32 or bf16 weights), else linear then
+    silu_mul_ref."""
     from strata.kernels.linear import linear as dispatch
+    from strata.kernels.linear import swiglu
 
-    return silu_mul_ref(dispatch(x, gate_up_weight, None))
+    fused = swiglu(x, gate_up_weight)
+    return fused if fused is not None else silu_mul_ref(dispatch(x, gate_up_weight, None))
 
 
 def rope_store(qkv: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor, slots: Tensor, heads: int, kv_heads: int) -> Tensor:

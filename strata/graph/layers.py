@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from strata.kernels import cpu_gemv, cpu_norm
-from strata.kernels.linear import linear
+from strata.kernels import cpu_norm
+from strata.kernels.linear import linear, swiglu
 
 
 class Linear(nn.Linear):
@@ -20,9 +20,7 @@ class Linear(nn.Linear):
 
     def swiglu(self, x: torch.Tensor) -> torch.Tensor | None:
         """silu(gate) * up for a [gate; up] weight in one pass, or None where no fused kernel applies."""
-        if self.bias is None and cpu_gemv.usable(x, self.weight):
-            return cpu_gemv.gemv_swiglu(x, self.weight)
-        return None
+        return None if self.bias is not None else swiglu(x, self.weight)
 
 
 class RMSNorm(nn.Module):

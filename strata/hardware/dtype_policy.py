@@ -138,3 +138,28 @@ def train_dtype(profile: HardwareProfile) -> tuple[torch.dtype, str]:
     if ratio >= SWITCH_MARGIN:
         return torch.bfloat16, why
     return torch.float32, why + f", under the {SWITCH_MARGIN}x needed to switch"
+
+
+def bf16_storage(profile: HardwareProfile, checkpoint_dtype: torch.dtype) -> tuple[bool, str, str]:
+    """CPU `dtype="auto"`, first question: keep a bf16 checkpoint's weights in bf16 and compute in
+    fp32 (memory/bf16_weights.py)? Returns (use it, the prefill GEMM path for kernels/cpu_bf16.py,
+    why).
+
+    Only for bf16 checkpoints: their weights widen to fp32 exactly, so this is the fp32 model with
+    half the weight bytes (nothing rounded that the checkpoint did not already round). Chosen when
+    the measured bf16 batch-1 GEMV streams tokens SWITCH_MARGIN faster than fp32's (2 bytes a
+    weight against 4). Prefill takes the bf16 GEMM (activations rounded to bf16, oneDNN) only
+    where the measured prefill-shaped GEMM beats fp32's by SWITCH_MARGIN, else widened tiles and
+    the fp32 GEMM (exact)."""
+    if checkpoint_dtype != torch.bfloat16:
+        return False, "fp32", f"checkpoint is {_dtype_name(_checked_checkpoint_dtype(checkpoint_dtype))}, not bf16"
+    fp32_gbs, bf16_gbs = profile.linear_gbs.get("float32", 0.0), profile.linear_gbs.get("bfloat16", 0.0)
+    if fp32_gbs <= 0 or bf16_gbs <= 0:
+        return False, "fp32", "the hardware profile has no batch-1 rates for fp32 and bf16"
+    decode_x = (bf16_gbs / 2) / (fp32_gbs / 4)
+    fp32_gemm, bf16_gemm = profile.gemm_gflops.get("float32", 0.0), profile.gemm_gflops.get("bfloat16", 0.0)
+    prefill = "bf16" if fp32_gemm > 0 and bf16_gemm >= SWITCH_MARGIN * fp32_gemm else "fp32"
+    why = (f"batch-1 GEMV bf16 {bf16_gbs:.1f} vs fp32 {fp32_gbs:.1f} GB/s of weights ({decode_x:.2f}x tokens/s); "
+           f"prefill GEMM bf16 {bf16_gemm:.0f} vs fp32 {fp32_gemm:.0f} GFLOP/s -> "
+           + ("bf16 GEMM (activations rounded to bf16)" if prefill == "bf16" else "fp32 GEMM on widened tiles (exact)"))
+    return decode_x >= SWITCH_MARGIN, prefill, why

@@ -53,6 +53,7 @@ try:
         i4_dot_vnni,
         i4_row,
         i8_dot,
+        i8_dot_vnni,
     )
 except ImportError:  # pragma: no cover - exercised only where numba is absent
     numba = None
@@ -72,6 +73,18 @@ def int8_activations(rows: int, group_size: int) -> bool:
     return (
         _VNNI and rows == 1 and group_size % 64 == 0
         and os.environ.get("STRATA_INT4_FP32_ACTIVATIONS", "") in ("", "0")
+    )
+
+
+INT8_ACT_GROUP = 64  # one VPDPBUSD (64 bytes) per activation scale
+
+
+def int8_int8(n_in: int) -> bool:
+    """Whether an int8 GEMV runs the int8-activation (VNNI) kernel: the input rows quantised to
+    int8 in groups of INT8_ACT_GROUP columns (STRATA_INT8_FP32_ACTIVATIONS=1 keeps fp32 inputs)."""
+    return (
+        _VNNI and n_in % INT8_ACT_GROUP == 0
+        and os.environ.get("STRATA_INT8_FP32_ACTIVATIONS", "") in ("", "0")
     )
 
 
@@ -203,6 +216,44 @@ if numba is not None:
                 u = _i4_row_vnni(w[r + half_rows], s[r + half_rows], xq, xs, off, group // 2)
                 out[0, r] = g / (np.float32(1.0) + np.exp(-g)) * u
 
+    @njit(fastmath=True, cache=True)
+    def _quant_rows(x, group):  # pragma: no cover - compiled
+        rows, n = x.shape
+        xq = np.empty((rows, n), np.int8)
+        xs = np.empty((rows, n // group), np.float32)
+        for j in range(rows):
+            q, sc, _ = _quant_x(x[j], group)
+            xq[j] = q
+            xs[j] = sc
+        return xq, xs
+
+    @njit(parallel=True, fastmath=True, cache=True)
+    def _int8_gemv_vnni(w, s, x, out, threads):  # pragma: no cover - compiled
+        n_out = w.shape[0]
+        rows = x.shape[0]
+        xq, xs = _quant_rows(x, 64)
+        per = (n_out + threads - 1) // threads
+        for t in prange(threads):
+            for r in range(t * per, min(n_out, (t + 1) * per)):
+                wr = w[r]
+                for j in range(rows):
+                    out[j, r] = i8_dot_vnni(wr, xq[j], xs[j]) * s[r]
+
+    @njit(parallel=True, fastmath=True, cache=True)
+    def _int8_swiglu_vnni(w, s, x, out, threads):  # pragma: no cover - compiled
+        half_rows = w.shape[0] // 2
+        rows = x.shape[0]
+        xq, xs = _quant_rows(x, 64)
+        per = (half_rows + threads - 1) // threads
+        for t in prange(threads):
+            for r in range(t * per, min(half_rows, (t + 1) * per)):
+                wg = w[r]
+                wu = w[r + half_rows]
+                for j in range(rows):
+                    g = i8_dot_vnni(wg, xq[j], xs[j]) * s[r]
+                    u = i8_dot_vnni(wu, xq[j], xs[j]) * s[r + half_rows]
+                    out[j, r] = g / (np.float32(1.0) + np.exp(-g)) * u
+
     @njit(parallel=True, fastmath=True, cache=True)
     def _int8_dequant(w, s, out, threads):  # pragma: no cover - compiled
         n_out, n_in = w.shape
@@ -325,7 +376,7 @@ def gemv(
     out = np.empty((x.shape[0], w.shape[0]), np.float32)  # cheaper than torch.empty(...).numpy()
     threads = cpu_gemv.sync_threads()
     if method == "int8":
-        _int8_gemv(w, s, x.numpy(), out, threads)
+        (_int8_gemv_vnni if int8_int8(x.shape[1]) else _int8_gemv)(w, s, x.numpy(), out, threads)
     elif int8_activations(x.shape[0], group_size):
         _int4_gemv_vnni(w, s, x.numpy(), out, group_size, threads)
     else:
@@ -348,7 +399,7 @@ def gemv_swiglu(
     out = np.empty((x.shape[0], w.shape[0] // 2), np.float32)
     threads = cpu_gemv.sync_threads()
     if method == "int8":
-        _int8_swiglu(w, s, x.numpy(), out, threads)
+        (_int8_swiglu_vnni if int8_int8(x.shape[1]) else _int8_swiglu)(w, s, x.numpy(), out, threads)
     elif int8_activations(x.shape[0], group_size):
         _int4_swiglu_vnni(w, s, x.numpy(), out, group_size, threads)
     else:

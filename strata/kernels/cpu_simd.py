@@ -5,8 +5,9 @@ numba's auto-vectoriser picks 64 bytes per iteration for a loop of unknown trip 
 group's 16-64 bytes ran in its scalar/narrow epilogue: measured 1.5-1.8x slower at group size 64.
 Here each group is a loop of 16-byte steps (group sizes are multiples of 32) with separate
 accumulators for the two nibbles. The int8 row dot is written the same way (see _i8_dot16).
-On CPUs with AVX-512 VNNI, batch-1 int4 runs i4_dot_vnni instead: integer dot products against
-the input quantised to int8 (cpu_quant.py says when and why).
+On CPUs with AVX-512 VNNI, batch-1 int4 runs i4_dot_vnni and int8 GEMVs i8_dot_vnni instead:
+integer dot products against the input quantised to int8 (cpu_quant.py says when and why).
+bf16_dot reads bf16 weights and widens them exactly in registers (cpu_bf16.py).
 Formats: quant_formats.py. Used by cpu_quant.py; import only where numba is available.
 """
 
@@ -262,6 +263,108 @@ def i4_dot_vnni(typingctx, wr, sr, xq, xf, half):  # pragma: no cover - compiled
                 flags=_FAST,
             )
             scaled = builder.fmul(builder.sitofp(builder.load(acc), vf), _splat(builder, factor, vf), flags=_FAST)
+            builder.store(builder.fadd(builder.load(row), scaled, flags=_FAST), row)
+        return _hsum(builder, builder.load(row))
+
+    return sig, codegen
+
+
+# --- bf16 weights, fp32 accumulation -------------------------------------------------------------
+
+
+_BF16_UNROLL = 4
+
+
+@intrinsic
+def bf16_dot(typingctx, wr, xj):  # pragma: no cover - compiled
+    """sum_c bf16(wr[c]) * xj[c] for one row; wr holds bf16 bit patterns as int16, xj is fp32.
+
+    A bf16 is the top half of an fp32, so each weight widens exactly: zero-extend to 32 bits,
+    shift left 16, reinterpret as float. Four 16-wide accumulators (64 columns a step) keep enough
+    loads in flight when the weights stream from DRAM (two measured slower); the last len % 64
+    columns run one at a time in the same form. Generic vector IR: AVX-512, AVX2 or NEON."""
+    sig = types.float32(wr, xj)
+
+    def codegen(context, builder, signature, args):
+        w, x = (context.make_array(t)(context, builder, v) for t, v in zip(signature.args, args))
+        f32, vf, _, zero = _vec_consts()
+        i16, i32, i64 = ir.IntType(16), ir.IntType(32), ir.IntType(64)
+        vi16 = ir.VectorType(i16, _VL)
+        vi32 = ir.VectorType(i32, _VL)
+        shift = ir.Constant(vi32, [16] * _VL)
+        n = cgutils.unpack_tuple(builder, x.shape, 1)[0]
+        n32 = builder.and_(n, ir.Constant(i64, -_BF16_UNROLL * _VL))
+        accs = [cgutils.alloca_once_value(builder, zero) for _ in range(_BF16_UNROLL)]
+        tail = cgutils.alloca_once_value(builder, ir.Constant(f32, 0.0))
+
+        def widened(k):
+            ptr = builder.bitcast(builder.gep(w.data, [k], inbounds=True), vi16.as_pointer())
+            bits = builder.shl(builder.zext(builder.load(ptr, align=2), vi32), shift)
+            return builder.bitcast(bits, vf)
+
+        with cgutils.for_range_slice(builder, ir.Constant(i64, 0), n32, ir.Constant(i64, _BF16_UNROLL * _VL)) as (k, _):
+            for u, acc in enumerate(accs):
+                kk = builder.add(k, ir.Constant(i64, u * _VL))
+                prod = builder.fmul(widened(kk), _vload(builder, x.data, kk, vf), flags=_FAST)
+                builder.store(builder.fadd(builder.load(acc), prod, flags=_FAST), acc)
+        with cgutils.for_range_slice(builder, n32, n, ir.Constant(i64, 1)) as (k, _):
+            bits = builder.zext(builder.load(builder.gep(w.data, [k], inbounds=True)), i32)
+            wv = builder.bitcast(builder.shl(bits, ir.Constant(i32, 16)), f32)
+            xv = builder.load(builder.gep(x.data, [k], inbounds=True))
+            builder.store(builder.fadd(builder.load(tail), builder.fmul(wv, xv, flags=_FAST), flags=_FAST), tail)
+        vsum = builder.load(accs[0])
+        for acc in accs[1:]:
+            vsum = builder.fadd(vsum, builder.load(acc), flags=_FAST)
+        total = _hsum(builder, vsum)
+        return builder.fadd(total, builder.load(tail), flags=_FAST)
+
+    return sig, codegen
+
+
+# --- int8 x int8 with AVX-512 VNNI ------------------------------------------------------------------
+
+
+@intrinsic
+def i8_dot_vnni(typingctx, wr, xq, xf):  # pragma: no cover - compiled
+    """sum_g xf[g] * sum_k wr[k] * xq[k] over groups of 64 columns, in integers (VPDPBUSD).
+
+    VPDPBUSD multiplies unsigned by signed bytes, and here both sides are signed, so the weight
+    goes in as |w| (unsigned; |-128| = 128 fits) and the activation with w's sign moved onto it
+    (select(w < 0, -x, x); the activations are in [-127, 127], so negation cannot overflow), the
+    way llama.cpp's q8_0 dot does it. One VPDPBUSD per 64-column group into 16 int32 lanes,
+    converted and scaled by the group's activation scale; the row's weight scale is the caller's.
+    """
+    sig = types.float32(wr, xq, xf)
+
+    def codegen(context, builder, signature, args):
+        w, x, xs = (context.make_array(t)(context, builder, v) for t, v in zip(signature.args, args))
+        f32, vf, _, zero = _vec_consts()
+        i8, i32, i64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
+        vi = ir.VectorType(i32, _VL)
+        v64b = ir.VectorType(i8, 64)
+        zeros = ir.Constant(v64b, [0] * 64)
+        dpbusd = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(vi, [vi, vi, vi]), "llvm.x86.avx512.vpdpbusd.512"
+        )
+        row = cgutils.alloca_once_value(builder, zero)
+
+        def load64(data, index):
+            ptr = builder.bitcast(builder.gep(data, [index], inbounds=True), v64b.as_pointer())
+            return builder.load(ptr, align=1)
+
+        with cgutils.for_range(builder, cgutils.unpack_tuple(builder, xs.shape, 1)[0]) as group:
+            g = group.index
+            k = builder.mul(g, ir.Constant(i64, 64))
+            wv = load64(w.data, k)
+            xv = load64(x.data, k)
+            negative = builder.icmp_signed("<", wv, zeros)
+            w_abs = builder.select(negative, builder.sub(zeros, wv), wv)
+            x_signed = builder.select(negative, builder.sub(zeros, xv), xv)
+            summed = builder.call(
+                dpbusd, [ir.Constant(vi, [0] * _VL), builder.bitcast(w_abs, vi), builder.bitcast(x_signed, vi)]
+            )
+            scale = _splat(builder, builder.load(builder.gep(xs.data, [g], inbounds=True)), vf)
+            scaled = builder.fmul(builder.sitofp(summed, vf), scale, flags=_FAST)
             builder.store(builder.fadd(builder.load(row), scaled, flags=_FAST), row)
         return _hsum(builder, builder.load(row))
 

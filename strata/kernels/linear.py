@@ -7,14 +7,34 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from strata.kernels import cpu_gemv, cpu_quant
+from strata.kernels import cpu_bf16, cpu_gemv, cpu_quant
 from strata.kernels.dispatch import KERNEL_MODE
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Few CPU rows: the numba GEMV for fp32 weights, the narrow-reading one for bf16 weights;
+    everything else (prefill, GPUs, autograd) F.linear."""
     if cpu_gemv.usable(x, weight):
         return cpu_gemv.gemv(x, weight, bias)
+    if cpu_bf16.usable(x, weight):
+        return cpu_bf16.gemv(x, weight, bias)
+    if weight.dtype is torch.bfloat16 and x.dtype is torch.float32:  # bf16 storage, fp32 activations
+        if not (x.is_cpu and weight.is_cpu) or (torch.is_grad_enabled() and x.requires_grad):
+            return F.linear(x, weight.float(), bias)  # reference: widen, then fp32
+        x2 = x.reshape(-1, x.shape[-1])
+        out = cpu_bf16.gemv(x2, weight, bias) if cpu_bf16.usable(x2, weight) else cpu_bf16.matmul(x2, weight, bias)
+        return out.view(*x.shape[:-1], out.shape[-1])
     return F.linear(x, weight, bias)
+
+
+def swiglu(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor | None:
+    """silu(x @ gate.T) * (x @ up.T) for a [gate; up] weight (no bias) in one pass over it, or None
+    where no fused kernel applies (the caller then runs linear + silu_mul)."""
+    if cpu_gemv.usable(x, gate_up):
+        return cpu_gemv.gemv_swiglu(x, gate_up)
+    if cpu_bf16.usable(x, gate_up):
+        return cpu_bf16.gemv_swiglu(x, gate_up)
+    return None
 
 
 class QuantWeight(Protocol):

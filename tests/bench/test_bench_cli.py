@@ -49,6 +49,7 @@ def test_latency_vs_hf_writes_json(tmp_path, capsys):
         "--batch", "2", "--input-len", "8", "--output-len", "4", "--warmup", "1",
         "--compare", "hf", "--json", str(out),
     ])
+    assert main(["bench", "latency", "--random-model", "tiny", "--repeats", "0"]) == 2
     assert rc == 0
     printed = capsys.readouterr().out
     assert "memory bandwidth" in printed and "MBU" in printed
@@ -60,7 +61,27 @@ def test_latency_vs_hf_writes_json(tmp_path, capsys):
         _positive(data[engine], figures)
         assert data[engine]["decode_steps"] == 3
         assert data[engine]["decode_tokens_per_s"] == pytest.approx(2 * data[engine]["decode_tokens_per_s_per_seq"])
+        runs = data[engine]["runs"]  # --repeats defaults to 3: the figures are the medians
+        assert len(runs) == data["repeats"] == 3
+        for key in ("decode_tokens_per_s", "prefill_tokens_per_s"):
+            assert data[engine][key] == pytest.approx(sorted(r[key] for r in runs)[1])
+            assert data[engine]["spread"][key] >= 0
     _positive(data["ratio"], ("prefill_tokens_per_s", "decode_tokens_per_s", "mbu"))
+    assert isinstance(data["unstable"], list)
+
+
+def test_stability_notes_name_what_moved():
+    from strata.bench.common import median_of_runs, spread, stability_notes
+
+    assert spread([10.0, 12.0, 11.0]) == pytest.approx(2 / 11)
+    m = median_of_runs([{"a": 1.0, "b": 4}, {"a": 3.0, "b": 5}, {"a": 2.0, "b": 9}], ("a",))
+    assert m["a"] == 2.0 and m["b"] == 5 and m["spread"]["a"] == pytest.approx(1.0) and len(m["runs"]) == 3
+    quiet = stability_notes(30.0, 29.0, 1.0, 1.0, 1, {"strata": {"decode": 0.05}})
+    assert quiet == []
+    notes = stability_notes(30.0, 15.0, 1.0, 40.0, 1, {"strata": {"decode": 0.5}, "hf": {"decode": 0.01}})
+    text = " | ".join(notes)
+    assert "bandwidth moved" in text and "30.0 -> 15.0" in text
+    assert "other processes" in text and "strata: repeats disagree by decode 50%" in text and "hf:" not in text
 
 
 def test_bad_flags_are_reported(tmp_path, capsys):

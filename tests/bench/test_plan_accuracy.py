@@ -22,13 +22,14 @@ def _cache(tmp_path, monkeypatch):
 def test_plan_accuracy_pairs(tmp_path, capsys, monkeypatch, cpu_profile):
     requests = []
 
-    def predict(model, dtype):
-        req = PlanRequest(model=model, dtype=dtype, batch=16, input_len=512, context=192, max_model_len=2048)
+    def predict(model, dtype, quantization):
+        req = PlanRequest(model=model, dtype=dtype, quantization=quantization, batch=16, input_len=512,
+                          context=192, max_model_len=2048)
         requests.append(req)
         return build_plan(req, profile=cpu_profile, overhead=StepOverhead.zero())
 
     monkeypatch.setattr(plan_accuracy, "_predict", predict)
-    monkeypatch.setattr(plan_accuracy, "_stream_now", lambda dtype: 16.0)  # half the profile's 32 GB/s
+    monkeypatch.setattr(plan_accuracy, "_stream_now", lambda dtype, quant: 16.0)  # half the profile's 32 GB/s
     out = tmp_path / "acc.json"
     assert main(["bench", "plan-accuracy", "--model", "tiny", "--json", str(out)]) == 0
     printed = capsys.readouterr().out
@@ -43,3 +44,34 @@ def test_plan_accuracy_pairs(tmp_path, capsys, monkeypatch, cpu_profile):
     assert [p["stream_gbs"] for p in pairs] == [16.0, cpu_profile.linear_gbs["float32"], 16.0]
     assert pairs[1]["unit"] == "ms" and pairs[0]["unit"] == "tok/s"
     assert len(requests) == 1
+
+
+def test_plan_accuracy_bf16_weights_path(tmp_path, capsys, monkeypatch, cpu_profile):
+    """--quantization bf16: the plan prices decode at the bf16 GEMV rate and half the weight bytes."""
+    seen = []
+
+    def predict(model, dtype, quantization):
+        seen.append(quantization)
+        req = PlanRequest(model=model, dtype=dtype, quantization=quantization, batch=16, input_len=512,
+                          context=192, max_model_len=2048)
+        return build_plan(req, profile=cpu_profile, overhead=StepOverhead.zero())
+
+    measured = []
+
+    def measure(model, dtype, quantization, batch, n_in, n_out):
+        measured.append(quantization)
+        return {"prefill_s": 1.0, "decode_tokens_per_s": 10.0}
+
+    monkeypatch.setattr(plan_accuracy, "_predict", predict)
+    monkeypatch.setattr(plan_accuracy, "_stream_now", lambda dtype, quant: cpu_profile.linear_gbs["bfloat16"])
+    monkeypatch.setattr(plan_accuracy, "_measure", measure)
+    out = tmp_path / "acc.json"
+    assert main(["bench", "plan-accuracy", "--model", "tiny", "--quantization", "bf16", "--json", str(out)]) == 0
+    assert "float32 + bf16 weights" in capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert data["quantization"] == "bf16" and seen == ["bf16"] and measured == ["bf16"] * 3
+    plan = predict("tiny", "float32", "bf16")
+    assert plan.device.stream_gbs == cpu_profile.linear_gbs["bfloat16"]
+    fp32 = build_plan(PlanRequest(model="tiny", dtype="float32", batch=16, input_len=512, context=192,
+                                  max_model_len=2048), profile=cpu_profile, overhead=StepOverhead.zero())
+    assert plan.memory.weight_bytes < 0.6 * fp32.memory.weight_bytes

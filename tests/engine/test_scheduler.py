@@ -25,9 +25,11 @@ class Sim:
     """The engine's step around the real scheduler (schedule -> fake forward -> fake sample ->
     update), with a fake token instead of a model."""
 
-    def __init__(self, num_blocks: int, block_size: int, max_num_seqs: int, budget: int, max_len: int):
+    def __init__(self, num_blocks: int, block_size: int, max_num_seqs: int, budget: int, max_len: int,
+                 decode_first: int | None = None):
         self.bm = BlockManager(num_blocks, block_size)
-        self.sched = Scheduler(self.bm, max_num_seqs, budget, lifecycle=SequenceLifecycle(max_model_len=max_len))
+        self.sched = Scheduler(self.bm, max_num_seqs, budget, lifecycle=SequenceLifecycle(max_model_len=max_len),
+                               max_prefill_tokens_while_decoding=decode_first)
         self.max_len = max_len
         self.requests: dict[str, Request] = {}
         self.req_ids = itertools.count()
@@ -234,4 +236,37 @@ def test_fork_shares_prompt_blocks(prompt_len):
     for src, dst in out.block_copies:
         assert src == parent.block_table[-1] or src in parent.block_table
         assert any(dst in c.block_table for c in req.seqs[1:])
+    sim.drain()
+
+
+def test_decode_first_caps_prefill_while_streams_decode():
+    """While a sequence decodes, a long prompt is prefilled cap tokens a step and the decode runs
+    every step; with nothing decoding the prompt takes the whole budget; everything finishes."""
+    sim = Sim(num_blocks=64, block_size=8, max_num_seqs=8, budget=256, max_len=400, decode_first=32)
+    sim.add(prompt_len=5, max_tokens=40, n=1)
+    first = sim.step()
+    assert first.num_tokens == 5  # nobody decodes yet: no cap
+    decoder = first.scheduled[0].seq
+    sim.add(prompt_len=200, max_tokens=3, n=1)
+    for _ in range(6):
+        out = sim.step()
+        by_seq = {s.seq.seq_id: s.num_tokens for s in out.scheduled}
+        assert by_seq[decoder.seq_id] == 1  # the running stream is never frozen
+        prefill = sum(n for sid, n in by_seq.items() if sid != decoder.seq_id)
+        assert prefill == 32
+    sim.drain()
+
+    alone = Sim(num_blocks=64, block_size=8, max_num_seqs=8, budget=256, max_len=400, decode_first=32)
+    alone.add(prompt_len=200, max_tokens=3, n=1)
+    assert alone.step().num_tokens == 200
+    alone.drain()
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(add_op, min_size=1, max_size=12), st.sampled_from([1, 7, 16]))
+def test_decode_first_makes_progress(adds, cap):
+    sim = Sim(num_blocks=24, block_size=4, max_num_seqs=4, budget=48, max_len=64, decode_first=cap)
+    for _, prompt_len, max_tokens, n in adds:
+        sim.add(prompt_len, max_tokens, n)
+        sim.step()
     sim.drain()

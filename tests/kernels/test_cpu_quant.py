@@ -31,9 +31,13 @@ class _Q:
 
 
 def _seen(x: torch.Tensor, q: _Q) -> torch.Tensor:
-    """The input the kernel computes with: int4 batch-1 on a VNNI CPU rounds it to int8 per group."""
-    if q.method == "int4" and cpu_quant.int8_activations(x.reshape(-1, x.shape[-1]).shape[0], q.group_size):
-        return quant_formats.quantize_activations_ref(x.reshape(-1, x.shape[-1]), q.group_size).view_as(x)
+    """The input the kernel computes with: on a VNNI CPU, int4 batch-1 rounds it to int8 per weight
+    group, int8 GEMVs per group of cpu_quant.INT8_ACT_GROUP columns."""
+    rows = x.reshape(-1, x.shape[-1])
+    if q.method == "int4" and cpu_quant.int8_activations(rows.shape[0], q.group_size):
+        return quant_formats.quantize_activations_ref(rows, q.group_size).view_as(x)
+    if q.method == "int8" and rows.shape[0] <= cpu_quant.MAX_ROWS and cpu_quant.int8_int8(rows.shape[1]):
+        return quant_formats.quantize_activations_ref(rows, cpu_quant.INT8_ACT_GROUP).view_as(x)
     return x
 
 
@@ -198,6 +202,35 @@ def test_int4_int8_activation_kernel(group, monkeypatch):
 
 
 @needs_numba
+@pytest.mark.skipif(not cpu_quant.int8_int8(64), reason="needs AVX-512 VNNI (int8 x int8 kernel)")
+@pytest.mark.parametrize("rows", [1, 3, cpu_quant.MAX_ROWS])
+def test_int8_int8_activation_kernel(rows, monkeypatch):
+    """The int8 x int8 GEMV equals its twin (activations rounded per 64 columns, then dequantise +
+    F.linear), including weights at -128 and an all-zero group; it stays within 1% of the largest
+    output of the fp32-activation kernel; the environment switch restores that kernel exactly, and
+    widths that are not a multiple of 64 take it too."""
+    g = torch.Generator().manual_seed(rows)
+    w, x = torch.randn(300, 1024, generator=g), torch.randn(rows, 1024, generator=g)
+    x[:, 64:128] = 0.0
+    q = _Q(w, "int8")
+    q.qweight[:5, :7] = -128  # |-128| = 128 as the unsigned VPDPBUSD operand
+    twin = F.linear(quant_formats.quantize_activations_ref(x, 64), q.dequantize())
+    exact = F.linear(x, q.dequantize())
+    with torch.inference_mode():
+        got = cpu_quant.gemv("int8", x, q.qweight, q.scale, 0)
+        torch.testing.assert_close(got, twin, **_tol(1024))
+        assert (got - exact).abs().max() <= 0.01 * exact.abs().max()
+        gate, up = twin[:, :150], twin[:, 150:]
+        swiglu = cpu_quant.gemv_swiglu("int8", x, q.qweight, q.scale, 0)
+        torch.testing.assert_close(swiglu, F.silu(gate) * up, rtol=1e-4, atol=1e-3)  # a product of two sums
+        monkeypatch.setenv("STRATA_INT8_FP32_ACTIVATIONS", "1")
+        assert not cpu_quant.int8_int8(1024)
+        torch.testing.assert_close(cpu_quant.gemv("int8", x, q.qweight, q.scale, 0), exact, **_tol(1024))
+    monkeypatch.delenv("STRATA_INT8_FP32_ACTIVATIONS")
+    assert cpu_quant.int8_int8(1024) and not cpu_quant.int8_int8(96)
+
+
+@needs_numba
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_numba_dequantize_matches_reference(method):
     w = torch.randn(257, 384)
@@ -220,7 +253,7 @@ def test_dispatch_paths_agree(method):
             torch.testing.assert_close(quant_linear(x, q, b), F.linear(_seen(x, q), ref_w, b), **_tol(128))
         x3 = torch.randn(2, 7, 128)  # the plain causal forward's [B, L, H]
         assert quant_linear(x3, q).shape == (2, 7, 80)
-        torch.testing.assert_close(quant_linear(x3, q), F.linear(x3, ref_w), **_tol(128))
+        torch.testing.assert_close(quant_linear(x3, q), F.linear(_seen(x3, q), ref_w), **_tol(128))
         xb = torch.randn(3, 128, dtype=torch.bfloat16)  # not the kernel's dtype: torch twin
         assert not cpu_quant.usable(xb, q.qweight)
         torch.testing.assert_close(quant_linear(xb, q), F.linear(xb, q.dequantize(torch.bfloat16)))
