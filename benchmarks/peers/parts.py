@@ -18,7 +18,7 @@ from .figures import (
 )
 from .monitor import loadavg
 from .runner import Ctx, Server, free_port, read_json
-from .settings import GGUF_TYPES, RATE_FACTORS, rng_text
+from .settings import GGUF_TYPES, RATE_FACTORS, STRATA_REPEATS, rng_text
 
 
 def measure(ctx: Ctx, what: str, fn: Any) -> Any:
@@ -84,7 +84,7 @@ def part_latency(ctx: Ctx, shape: str, ggufs: dict[str, Path]) -> dict:
         ctx.results["machine"].setdefault("llama_cpu_info", rows[0].get("cpu_info"))
 
     base = [*ctx.strata, "bench", "latency", "--random-model", shape, "--dtype", "float32",
-            "--input-len", str(wl.lat_in), "--output-len", str(wl.lat_out), "--threads", str(args.threads)]
+            "--input-len", str(wl.lat_in), "--output-len", str(wl.lat_out), "--threads", str(args.threads), "--repeats", str(STRATA_REPEATS)]
 
     def strata(extra: list[str], tag: str) -> Any:
         def run(attempt: int) -> tuple[dict, float | None]:
@@ -99,9 +99,10 @@ def part_latency(ctx: Ctx, shape: str, ggufs: dict[str, Path]) -> dict:
             res[key] = {"prefill_tps": d[src]["prefill_tokens_per_s"], "decode_tps": d[src]["decode_tokens_per_s"],
                         "mbu": d[src].get("mbu"), "achieved_gbs": d[src].get("achieved_gbs"), "others_cpu": busy}
     res["mem_bandwidth_gbs_fp32_run"] = d.get("mem_bandwidth_gbs")
-    # the same rounding as the bf16 GGUF (the random checkpoints are fp32); int4 group 32 = q4_0's blocks
+    # bf16: the same rounding as the bf16 GGUF (the random checkpoints are fp32); int4 groups of 64
+    # with fp32 scales = 4.5 bits a weight, as q4_0's blocks of 32 with fp16 scales
     for tag, extra in (("bf16", ["--quantization", "bf16"]), ("int8", ["--quantization", "int8"]),
-                       ("int4", ["--quantization", "int4", "--quantization-group-size", "32"])):
+                       ("int4", ["--quantization", "int4", "--quantization-group-size", "64"])):
         d, busy = strata(extra, tag)
         res[f"strata_{tag}"] = {"prefill_tps": d["strata"]["prefill_tokens_per_s"],
                                 "decode_tps": d["strata"]["decode_tokens_per_s"], "mbu": d["strata"].get("mbu"),

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from .runner import read_json
-from .settings import PARTS, RATE_FACTORS
+from .settings import PARTS, RATE_FACTORS, STRATA_REPEATS
 from .tables import (
     findings,
     fmt_cpu,
@@ -121,7 +121,7 @@ def render_markdown(res: dict) -> str:
       "= decode steps / decode time with the prompt in the KV cache (llama-bench: "
       f"`-p 0 -n {wl.get('lat_out')} -d {wl.get('lat_in')}`, i.e. generation at depth {wl.get('lat_in')}; "
       f"prefill is `-p {wl.get('lat_in')} -n 0`; mean of {wl.get('bench_reps')} repetitions). Strata and "
-      "transformers are one timed run after a warm-up (`strata bench latency`, transformers via "
+      f"transformers are the median of {STRATA_REPEATS} timed runs after a warm-up (`strata bench latency --repeats {STRATA_REPEATS}`, transformers via "
       "`--compare hf`: one prefill forward, then a greedy loop over a DynamicCache). "
       "\"Strata ÷ this\" > 1 means Strata is faster.\n")
     w("Comparable precision, row by row: Strata's bf16 stores the weights in bf16 (rounded from the fp32 "
@@ -129,8 +129,8 @@ def render_markdown(res: dict) -> str:
       "narrow; prefill uses the GEMM `dtype=auto` measured fastest, oneDNN bf16 where the CPU has bf16 "
       "arithmetic). Strata's int8 is symmetric per output row; on a CPU with AVX-512 VNNI its batch-1..16 "
       "GEMV quantises the activations to int8 per 64 columns and runs integer dot products, as q8_0 does "
-      "per 32 (q8_0 scales weights per block of 32). Strata's int4 uses groups of 32, like q4_0, with int8 "
-      "activations at batch 1 where VNNI. Prefill of int8/int4 dequantises tiles to fp32 for the GEMM.\n")
+      "per 32 (q8_0 scales weights per block of 32). Strata's int4 uses groups of 64 with fp32 scales, "
+      "4.5 bits a weight like q4_0's blocks of 32 with fp16 scales, and int8 activations at batch 1 where VNNI. Prefill of int8/int4 dequantises tiles to fp32 for the GEMM.\n")
     w(f"llama.cpp variant used: {(res.get('versions') or {}).get('llama_cpp', {}).get('variant', 'native')}.\n")
     for shape, sr in (res.get("latency") or {}).items():
         w(f"### {shape}\n")

@@ -51,7 +51,7 @@ LATENCY_ROWS = (
     ("llama_f16", "llama.cpp", "f16 GGUF", "strata_bf16"),
     ("strata_int8", "**Strata**", "int8 (per row; int8 activations per 64 columns where VNNI)", None),
     ("llama_q8_0", "llama.cpp", "q8_0 GGUF (blocks of 32)", "strata_int8"),
-    ("strata_int4", "**Strata**", "int4 (groups of 32; int8 activations where VNNI)", None),
+    ("strata_int4", "**Strata**", "int4 (groups of 64, fp32 scales: 4.5 bits/weight; int8 activations where VNNI)", None),
     ("llama_q4_0", "llama.cpp", "q4_0 GGUF (blocks of 32)", "strata_int4"),
 )
 

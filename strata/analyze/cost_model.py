@@ -127,27 +127,30 @@ def this_device(profile, dtype: torch.dtype, quantization: str | None, count: in
         return table[key]
 
     notes = [f"measured on this machine by strata hw ({profile.name}, {profile.threads} threads)"]
-    if cpu and quantization == "bf16":  # bf16 weights, fp32 compute (memory/bf16_weights.py)
-        from strata.hardware.dtype_policy import bf16_storage
+    if cpu:
+        from strata.hardware.dtype_policy import prefill_gemms
 
-        prefill = bf16_storage(profile, torch.bfloat16)[1]  # the GEMM the engine will pick
+        fp32_path, narrow_path, _ = prefill_gemms(profile)  # the GEMMs the engine will mark
+        rate_key = {"aten": "float32", "onednn": "float32_onednn", "bf16": "bfloat16"}
+    if cpu and quantization == "bf16":  # bf16 weights, fp32 compute (memory/bf16_weights.py)
         stream = need(profile.linear_gbs, "bfloat16", "batch-1 linear")
         few = need(profile.matmul_gflops, "bfloat16", "batched linear")
-        gemm = need(profile.gemm_gflops, "bfloat16" if prefill == "bf16" else "float32", "GEMM")
+        gemm = need(profile.gemm_gflops, rate_key[narrow_path], "GEMM")
         attn = profile.sdpa_gflops.get("float32", 0.0)
-        notes.append(f"bf16 weights read narrow at decode; prefill GEMM {prefill} (as the engine picks it)")
+        notes.append(f"bf16 weights read narrow at decode; prefill GEMM {narrow_path} (as the engine picks it)")
     elif cpu and quantization is not None:
         stream = need(profile.quant_linear_gbs, quantization, "quantised batch-1")
         few = need(profile.quant_matmul_gflops, quantization, "quantised batch-16")
-        gemm = need(profile.gemm_gflops, "float32", "GEMM")
+        gemm = need(profile.gemm_gflops, rate_key[narrow_path], "GEMM")
         attn = profile.sdpa_gflops.get("float32", 0.0)
         if dname != "float32":
             notes.append(f"quantised kernels need float32 activations; {dname} dequantises per call")
-        notes.append("quantised prefill = tile dequantisation + fp32 GEMM; the dequantisation is not modelled")
+        notes.append(f"quantised prefill = tile dequantisation + the {narrow_path} GEMM; the dequantisation "
+                     "is not modelled")
     else:
         stream = need(profile.linear_gbs, dname, "batch-1 linear")
         few = need(profile.matmul_gflops, dname, "batched linear")
-        gemm = need(profile.gemm_gflops, dname, "GEMM")
+        gemm = need(profile.gemm_gflops, rate_key[fp32_path] if cpu and dname == "float32" else dname, "GEMM")
         attn = profile.sdpa_gflops.get(dname, 0.0)
         if quantization is not None:
             notes.append("Strata has no GPU quantised kernels: it dequantises per call; predicted as fused")

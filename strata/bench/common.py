@@ -169,3 +169,31 @@ def stability_notes(bw_before: float, bw_after: float, load_before: float, load_
         if wide:
             notes.append(f"{engine}: repeats disagree by " + ", ".join(f"{k} {v:.0%}" for k, v in wide.items()))
     return notes
+
+
+class CompetingLoad:
+    """`n` busy-looping child processes for the duration of a `with` block: a measurement under
+    contention (another job sharing the cores), reproducible. Every child is killed and reaped on
+    exit, whatever happened inside the block."""
+
+    def __init__(self, n: int) -> None:
+        if n < 0:
+            raise ConfigError(f"--competing-load: must be >= 0, got {n}")
+        self.n = n
+        self.procs: list = []
+
+    def __enter__(self) -> CompetingLoad:
+        import subprocess
+        import sys
+
+        for _ in range(self.n):
+            self.procs.append(subprocess.Popen([sys.executable, "-c", "while True: pass"],
+                                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for p in self.procs:
+            p.kill()
+        for p in self.procs:
+            p.wait(timeout=30)
+        self.procs = []

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from strata.bench.common import (
+    CompetingLoad,
     add_model_args,
     add_repeat_args,
     bench_engine_kwargs,
@@ -66,6 +67,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--warmup", type=int, default=1, help="untimed warm-up runs (short outputs) before timing")
     g.add_argument("--seed", type=int, default=0, help="seed for the token ids")
     add_repeat_args(g)
+    g.add_argument("--competing-load", type=int, default=0, metavar="N",
+                   help="run N busy-looping processes during the timed runs of every engine (contention: "
+                   "another job sharing the cores); default 0")
     g.add_argument("--profile", action="store_true",
                    help="after the timed run, profile the decode loop: top-5 operators/kernels by self time "
                    "and the host-overhead share of step time")
@@ -137,7 +141,7 @@ def main(args: argparse.Namespace) -> int:
 
     for flag, v, lo in (("--batch", args.batch, 1), ("--input-len", args.input_len, 1),
                         ("--output-len", args.output_len, 2), ("--warmup", args.warmup, 0),
-                        ("--repeats", args.repeats, 1)):
+                        ("--repeats", args.repeats, 1), ("--competing-load", args.competing_load, 0)):
         if v < lo:
             raise ConfigError(f"{flag}: must be >= {lo}, got {v}")
     need = args.input_len + args.output_len
@@ -159,7 +163,8 @@ def main(args: argparse.Namespace) -> int:
         "benchmark": NAME, "model": str(eng.model_path), "architecture": cfg.architecture, "params": params,
         "dtype": str(eng.dtype).replace("torch.", ""), "device": args.device, "threads": eng.threads,
         "batch": args.batch, "input_len": args.input_len, "output_len": args.output_len,
-        "warmup": args.warmup, "repeats": args.repeats, "seed": args.seed, "weight_bytes": wbytes, "kv_bytes_per_token": kvtok,
+        "warmup": args.warmup, "repeats": args.repeats, "competing_load": args.competing_load, "seed": args.seed,
+        "weight_bytes": wbytes, "kv_bytes_per_token": kvtok,
         "quantization": eng.config.quantization,
         "quantization_group_size": eng.config.quantization_group_size if eng.config.quantization == "int4" else None,
         "fuse": eng.config.fuse, "compile": eng.config.compile, "cuda_graphs": eng.config.cuda_graphs,
@@ -175,6 +180,7 @@ def main(args: argparse.Namespace) -> int:
         f"batch {args.batch} x input {args.input_len}, output {args.output_len} "
         f"({args.output_len - 1} decode steps), warmup {args.warmup}, {args.repeats} timed runs per engine "
         "(medians; spread = (max - min) / median)"
+        + (f"; {args.competing_load} competing busy process(es) during the timed runs" if args.competing_load else "")
     )
     if args.batch * args.input_len > args.max_num_batched_tokens:
         print(f"note: {args.batch * args.input_len} prompt tokens exceed --max-num-batched-tokens "
@@ -191,7 +197,8 @@ def main(args: argparse.Namespace) -> int:
     warm_capture(eng)
     for w in warm:
         _strata_run(llm, w, warm_len)
-    strata_runs = [_strata_run(llm, b, args.output_len) for b in batches]
+    with CompetingLoad(args.competing_load):
+        strata_runs = [_strata_run(llm, b, args.output_len) for b in batches]
     info["capture"] = capture_stats(eng)
     # DRAM bandwidth on a shared VM moves within seconds: measure again after the run and take
     # the higher figure, so MBU is against the best the machine showed around the run
@@ -224,7 +231,8 @@ def main(args: argparse.Namespace) -> int:
         model = load_hf_model(str(path), dtype, args.device)
         for w in warm:
             hf_latency(model, w, warm_len, args.device, progress=False)
-        hf_runs = [hf_latency(model, b, args.output_len, args.device) for b in batches]
+        with CompetingLoad(args.competing_load):
+            hf_runs = [hf_latency(model, b, args.output_len, args.device) for b in batches]
         results["hf"] = hf = median_of_runs(
             [figures(r.prefill_s, r.decode_s, args, **hf_fig) for r in hf_runs], _SPREAD)
         results["ratio"] = r = {k: ratio(results["strata"][k], hf[k]) for k in _RATES}
@@ -235,7 +243,7 @@ def main(args: argparse.Namespace) -> int:
 
     spreads = {name: results[name]["spread"] for name in ("strata", "hf") if name in results}
     info["unstable"] = stability_notes(info["mem_bandwidth_before_gbs"], after, load_before, load_average(),
-                                       info["threads"], spreads)
+                                       info["threads"] + args.competing_load, spreads)
     print()
     print_table(["engine", "prefill ms", "prefill tok/s", "±", "prefill GFLOP/s", "ms/step",
                  "tok/s/seq", "tok/s total", "±", "decode GB/s", "MBU"], rows)

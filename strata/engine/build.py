@@ -116,8 +116,7 @@ def resolve_weight_storage(config: EngineConfig, checkpoint_dtype: torch.dtype) 
     """bf16 weight storage with fp32 compute (memory/bf16_weights.py): asked for with
     quantization="bf16", or chosen by dtype="auto" on a CPU for a bf16 checkpoint when the hardware
     layer measured it faster (dtype_policy.bf16_storage). Returns the config with dtype and
-    quantization filled in, and sets kernels/cpu_bf16.py's prefill GEMM path from the same
-    measurement."""
+    quantization filled in."""
     auto = (config.dtype == "auto" and config.quantization is None and config.device == "cpu"
             and config.tensor_parallel_size == 1 and not config.compile)
     if not auto and config.quantization != "bf16":
@@ -134,7 +133,6 @@ def resolve_weight_storage(config: EngineConfig, checkpoint_dtype: torch.dtype) 
     if auto and not use:
         logger.info("auto dtype: fp32 weights kept (%s)", why)
         return config
-    cpu_bf16.set_gemm(prefill)
     logger.info("%s: bf16 weights, fp32 activations and KV cache; decode reads the weights narrow, "
                 "prefill %s (%s)", "auto dtype" if auto else "quantization bf16", prefill, why)
     return dataclasses.replace(config, dtype="float32", quantization="bf16")
@@ -152,10 +150,13 @@ def decode_first_cap(config: EngineConfig, cfg: ModelConfig, dtype: torch.dtype)
         return config.max_prefill_tokens_while_decoding
     if config.device != "cpu":
         return None
+    from strata.hardware.dtype_policy import prefill_gemms
     from strata.hardware.probe import probe
 
     prof = probe("cpu")
-    name = "bfloat16" if config.quantization == "bf16" and cpu_bf16_gemm() == "bf16" else str(dtype).split(".")[-1]
+    fp32, narrow, _ = prefill_gemms(prof)
+    path = narrow if config.quantization is not None else fp32
+    name = {"aten": "float32", "onednn": "float32_onednn", "bf16": "bfloat16"}[path]
     gflops = prof.gemm_gflops.get(name) or prof.gemm_gflops.get("float32", 0.0)
     if gflops <= 0:
         return None
@@ -167,10 +168,21 @@ def decode_first_cap(config: EngineConfig, cfg: ModelConfig, dtype: torch.dtype)
     return cap
 
 
-def cpu_bf16_gemm() -> str:
-    from strata.kernels import cpu_bf16
+def mark_gemms(model, config: EngineConfig) -> None:
+    """CPU: the prefill GEMM path of every projection, by this machine's measurement
+    (kernels/cpu_gemm.py, dtype_policy.prefill_gemms); after quantisation and sharding, which
+    replace the weight tensors."""
+    if config.device != "cpu":
+        return
+    from strata.hardware.dtype_policy import prefill_gemms
+    from strata.hardware.probe import probe
+    from strata.kernels import cpu_gemm
 
-    return cpu_bf16.gemm()
+    fp32, narrow, why = prefill_gemms(probe("cpu"))
+    if not cpu_gemm.onednn_available():
+        fp32, narrow = "aten", "aten" if narrow == "onednn" else narrow
+    count = cpu_gemm.mark(model, fp32, narrow)
+    logger.info("prefill GEMMs: %d projections marked (%s)", count, why)
 
 
 def resolve_max_model_len(cfg: ModelConfig, requested: int | None) -> int:
@@ -382,6 +394,7 @@ def _build(config: EngineConfig, ckpt: Checkpoint, detokenize: bool, threads: in
         model = shard(model, ranks, comm)
         rank_cfg = per_rank_config(cfg, ranks.world.world_size)
         agree = control.all_min
+    mark_gemms(model, config)
     plan, blocks, kv_caches = kv_memory(config, rank_cfg, dtype, max_len, agree)
     backend = select_backend(config.attention_backend, config.device, dtype)
     forward, fusion = fuse(model, config)

@@ -8,6 +8,7 @@ rates. probe.auto_dtype applies it to the cached probe() profile.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 
 import torch
@@ -19,6 +20,7 @@ from strata.hardware.profile import HardwareProfile
 
 logger = logging.getLogger(__name__)
 
+PREFILL_GEMM_ENV = "STRATA_PREFILL_GEMM"  # auto (by measurement) | aten | onednn | bf16
 SWITCH_MARGIN = 1.1  # a narrow dtype must beat fp32 by this much on every measure to be chosen
 
 
@@ -157,9 +159,35 @@ def bf16_storage(profile: HardwareProfile, checkpoint_dtype: torch.dtype) -> tup
     if fp32_gbs <= 0 or bf16_gbs <= 0:
         return False, "fp32", "the hardware profile has no batch-1 rates for fp32 and bf16"
     decode_x = (bf16_gbs / 2) / (fp32_gbs / 4)
-    fp32_gemm, bf16_gemm = profile.gemm_gflops.get("float32", 0.0), profile.gemm_gflops.get("bfloat16", 0.0)
-    prefill = "bf16" if fp32_gemm > 0 and bf16_gemm >= SWITCH_MARGIN * fp32_gemm else "fp32"
+    _, narrow, gemm_why = prefill_gemms(profile)
+    prefill = "bf16" if narrow == "bf16" else "fp32"
     why = (f"batch-1 GEMV bf16 {bf16_gbs:.1f} vs fp32 {fp32_gbs:.1f} GB/s of weights ({decode_x:.2f}x tokens/s); "
-           f"prefill GEMM bf16 {bf16_gemm:.0f} vs fp32 {fp32_gemm:.0f} GFLOP/s -> "
-           + ("bf16 GEMM (activations rounded to bf16)" if prefill == "bf16" else "fp32 GEMM on widened tiles (exact)"))
+           f"{gemm_why}")
     return decode_x >= SWITCH_MARGIN, prefill, why
+
+
+def prefill_gemms(profile: HardwareProfile) -> tuple[str, str, str]:
+    """CPU prefill GEMM paths (kernels/cpu_gemm.py) by measurement: (fp32 weights' path, narrow
+    weights' path, why). fp32: oneDNN where its measured fp32 GEMM beats torch's (MKL) by
+    SWITCH_MARGIN, else aten. Narrow (bf16 / int8 / int4 weights): bf16 where the measured bf16
+    GEMM beats the chosen fp32 one by SWITCH_MARGIN (activations then round to bf16), else the
+    fp32 path on widened / dequantised tiles. STRATA_PREFILL_GEMM=aten|onednn puts every weight on
+    that fp32 path (exact: no bf16 rounding anywhere); =bf16 forces the bf16 path for narrow weights."""
+    forced = os.environ.get(PREFILL_GEMM_ENV, "auto") or "auto"
+    if forced not in ("auto", "aten", "onednn", "bf16"):
+        raise ConfigError(f"{PREFILL_GEMM_ENV}={forced!r}: choose auto, aten, onednn (every weight on that "
+                          "fp32 GEMM, exact) or bf16 (narrow weights through the bf16 GEMM)")
+    aten = profile.gemm_gflops.get("float32", 0.0)
+    onednn = profile.gemm_gflops.get("float32_onednn", 0.0)
+    bf16 = profile.gemm_gflops.get("bfloat16", 0.0)
+    fp32 = "onednn" if onednn >= SWITCH_MARGIN * aten and onednn > 0 else "aten"
+    best = max(aten, onednn) if fp32 == "onednn" else aten
+    narrow = "bf16" if best > 0 and bf16 >= SWITCH_MARGIN * best else fp32
+    if forced in ("aten", "onednn"):
+        fp32 = narrow = forced
+    elif forced == "bf16":
+        narrow = "bf16"
+    why = (f"prefill GEMM fp32 {aten:.0f} (torch) / {onednn:.0f} (oneDNN), bf16 {bf16:.0f} GFLOP/s -> "
+           f"fp32 weights {fp32}, narrow weights {narrow}"
+           + (f" ({PREFILL_GEMM_ENV}={forced})" if forced != "auto" else ""))
+    return fp32, narrow, why

@@ -226,14 +226,27 @@ def measure_host_copy(device: str, nbytes: int = HOST_COPY_BYTES, repeats: int =
 
 
 def gemm_rates(dtypes: list[str]) -> dict[str, float]:
-    """CPU GFLOP/s of a prefill-shaped F.linear (GEMM_ROWS rows) per dtype, via Strata's dispatch."""
+    """CPU GFLOP/s of a prefill-shaped F.linear (GEMM_ROWS rows) per dtype, via Strata's dispatch
+    on an unmarked weight (torch's own GEMM), plus "float32_onednn": the same product by oneDNN's
+    fp32 matmul (kernels/cpu_gemm.py), which the engine takes instead where it is faster."""
+    from strata.kernels import cpu_gemm
+
     n, k = GEMM_SHAPE
     out: dict[str, float] = {}
+    flops = 2 * GEMM_ROWS * n * k
     with torch.inference_mode():
         master = torch.randn(n, k)
         for name in dtypes:
             weight = master.to(DTYPES[name])
-            out[name] = 2 * GEMM_ROWS * n * k / measure_linear(weight, GEMM_ROWS, repeats=3) / 1e9
+            out[name] = flops / measure_linear(weight, GEMM_ROWS, repeats=3) / 1e9
+        if "float32" in dtypes and cpu_gemm.onednn_available():
+            x = torch.randn(GEMM_ROWS, k)
+            try:
+                cpu_gemm.onednn_linear(x, master)
+                out["float32_onednn"] = flops / _best_seconds(lambda: cpu_gemm.onednn_linear(x, master),
+                                                              torch.device("cpu"), 3) / 1e9
+            except RuntimeError as e:  # a build whose oneDNN refuses the op: aten only
+                logger.info("oneDNN fp32 GEMM not measured: %s", e)
     return out
 
 

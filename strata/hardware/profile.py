@@ -13,8 +13,8 @@ from typing import Any
 
 from strata.comm.alpha_beta import CommModel
 
-SCHEMA_VERSION = 4  # 2: linear rates through Strata's dispatch; 3: + gemm/quant/dispatch/copy figures;
-# 4: bf16 batch-1/16 rates through the narrow-reading bf16 GEMV (kernels/cpu_bf16.py)
+SCHEMA_VERSION = 5  # 2: linear rates through Strata's dispatch; 3: + gemm/quant/dispatch/copy figures;
+# 4: bf16 batch-1/16 rates through the narrow-reading bf16 GEMV (kernels/cpu_bf16.py); 5: + gemm "float32_onednn"
 
 
 @dataclass(frozen=True)

@@ -9,11 +9,11 @@ KB). For more than one input row each weight row is widened once into a per-thre
 and reused for every row.
 
 Above MAX_ROWS (prefill) with fp32 activations (bf16 weight storage, memory/bf16_weights.py),
-`matmul` takes one of two GEMMs, set once per process by the engine from the hardware layer's
-measurement (set_gemm): "bf16" rounds the activations to bf16 and runs torch's bf16 GEMM (oneDNN:
-AVX512-BF16 / AMX, several times fp32 where present), "fp32" widens the weight tile by tile into
-a small fp32 buffer and runs torch's fp32 GEMM (exact; the default, and the only sane choice on
-CPUs without bf16 arithmetic).
+`matmul` takes the GEMM path marked on the weight (cpu_gemm.py), set by the engine from the
+hardware layer's measurement: "bf16" rounds the activations to bf16 and runs oneDNN's bf16 GEMM
+(AVX512-BF16 / AMX, several times fp32 where present), "fp32" widens the weight tile by tile into
+a small fp32 buffer and runs the fp32 GEMM (exact; the default, and the only sane choice on CPUs
+without bf16 arithmetic).
 
 Reference twin: F.linear(x.float(), weight.float()) (tests compare the two); the result differs
 from torch's bf16 F.linear only by accumulating in fp32 rather than rounding through bf16.
@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from strata.kernels import cpu_gemv
+from strata.kernels import cpu_gemm, cpu_gemv
 from strata.kernels.dispatch import KERNEL_MODE, kernel
 
 try:
@@ -41,22 +41,6 @@ MAX_ROWS = 16
 
 def available() -> bool:
     return numba is not None
-
-
-GEMMS = ("fp32", "bf16")
-_gemm = "fp32"  # how `matmul` multiplies many fp32 rows by a bf16 weight (set_gemm)
-
-
-def set_gemm(kind: str) -> None:
-    """Choose `matmul`'s path for the process: "fp32" (widened tiles, exact) or "bf16" (oneDNN)."""
-    global _gemm
-    if kind not in GEMMS:
-        raise ValueError(f"bf16 GEMM path: {kind!r}; choose one of {', '.join(GEMMS)}")
-    _gemm = kind
-
-
-def gemm() -> str:
-    return _gemm
 
 
 if numba is not None:
@@ -150,22 +134,23 @@ def gemv_swiglu(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
 
 @kernel("bf16_matmul")
 def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [rows, in] fp32 @ a bf16 weight.T (+ bias), fp32 out, for many rows: the set_gemm path."""
-    if _gemm == "bf16":
+    """x [rows, in] fp32 @ a bf16 weight.T (+ bias), fp32 out, for many rows, by the weight's
+    cpu_gemm path: oneDNN's bf16 GEMM on the weight as stored, or ~4 MiB tiles widened to fp32 and
+    an fp32 GEMM (a fresh whole-weight copy per call would page-fault: cpu_quant.matmul)."""
+    x = x.contiguous()
+    path = cpu_gemm.path_of(weight)
+    if path == "bf16":
         out = F.linear(x.to(torch.bfloat16), weight).float()
-    else:  # ~4 MiB fp32 tiles: a fresh whole-weight copy per call would page-fault (cpu_quant.matmul)
-        x = x.contiguous()
+    else:
         n_out, n_in = weight.shape
         tile_rows = max(64, min(1024, (4 << 20) // (4 * n_in) // 16 * 16))
-        out_t = torch.empty(n_out, x.shape[0], dtype=torch.float32)
+        out = torch.empty(x.shape[0], n_out, dtype=torch.float32)
         buf = torch.empty(min(tile_rows, n_out), n_in, dtype=torch.float32)
-        x_t = x.t()
         for r0 in range(0, n_out, tile_rows):
             r1 = min(n_out, r0 + tile_rows)
             tile = buf[: r1 - r0]
             tile.copy_(weight[r0:r1])
-            torch.mm(tile, x_t, out=out_t[r0:r1])
-        out = out_t.t().contiguous()
+            out[:, r0:r1] = cpu_gemm.tile_mm(x, None, tile, path)
     if bias is not None:
         out += bias
     return out

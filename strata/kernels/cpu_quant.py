@@ -39,7 +39,7 @@ import os
 import numpy as np
 import torch
 
-from strata.kernels import cpu_gemv
+from strata.kernels import cpu_gemm, cpu_gemv
 from strata.kernels.dispatch import KERNEL_MODE, kernel
 
 try:
@@ -331,12 +331,13 @@ def dequantize(
 @kernel("quant_matmul")
 def matmul(
     method: str, x: torch.Tensor, qweight: torch.Tensor | np.ndarray, scale: torch.Tensor | np.ndarray,
-    group_size: int, bias: torch.Tensor | None = None,
+    group_size: int, bias: torch.Tensor | None = None, path: str = "aten",
 ) -> torch.Tensor:
     """x [rows, in] fp32 @ the quantised weight.T (+ bias) for many rows (prefill, big batches).
 
     Tile-wise: a few hundred weight rows at a time (~4 MiB of fp32) are dequantised into one
-    reused buffer and multiplied by torch's fp32 GEMM into the transposed output. Measured on
+    reused buffer and multiplied by the GEMM `path` names (cpu_gemm.py: an fp32 one, or bf16 where
+    the hardware layer measured it faster: the activations then round to bf16 too). Measured on
     the dev box (qwen-0.5b gate/up 9728x896, 128 rows): 13 ms, against 29 ms for dequantising
     the whole weight per call (a fresh 35 MB buffer: page faults) and 17 ms for fp32 F.linear
     on an already-float weight.
@@ -346,9 +347,9 @@ def matmul(
     n_out, n_in = w.shape[0], x.shape[1]
     _check(method, n_in, w, s, group_size)
     tile_rows = max(64, min(1024, (4 << 20) // (4 * n_in) // 16 * 16))
-    out_t = torch.empty(n_out, x.shape[0], dtype=torch.float32)
+    out = torch.empty(x.shape[0], n_out, dtype=torch.float32)
     buf = torch.empty(min(tile_rows, n_out), n_in, dtype=torch.float32)
-    x_t = x.t()
+    x_bf16 = x.to(torch.bfloat16) if path == "bf16" else None
     threads = cpu_gemv.sync_threads()
     for r0 in range(0, n_out, tile_rows):
         r1 = min(n_out, r0 + tile_rows)
@@ -357,8 +358,7 @@ def matmul(
             _int8_dequant(w[r0:r1], s[r0:r1], tile.numpy(), threads)
         else:
             _int4_dequant(w[r0:r1], s[r0:r1], tile.numpy(), group_size, threads)
-        torch.mm(tile, x_t, out=out_t[r0:r1])
-    out = out_t.t().contiguous()
+        out[:, r0:r1] = cpu_gemm.tile_mm(x, x_bf16, tile, path)
     if bias is not None:
         out += bias
     return out

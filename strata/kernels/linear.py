@@ -7,15 +7,26 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from strata.kernels import cpu_bf16, cpu_gemv, cpu_quant
+from strata.kernels import cpu_bf16, cpu_gemm, cpu_gemv, cpu_quant
 from strata.kernels.dispatch import KERNEL_MODE
+
+
+def _onednn_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (
+        cpu_gemm.path_of(weight) == "onednn" and KERNEL_MODE.get().fast_paths and x.dtype is torch.float32
+        and weight.dtype is torch.float32 and x.is_cpu and weight.is_cpu and weight.is_contiguous()
+        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+    )
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Few CPU rows: the numba GEMV for fp32 weights, the narrow-reading one for bf16 weights;
-    everything else (prefill, GPUs, autograd) F.linear."""
+    many fp32 CPU rows: the GEMM path marked on the weight (cpu_gemm.py); everything else (GPUs, autograd)
+    F.linear."""
     if cpu_gemv.usable(x, weight):
         return cpu_gemv.gemv(x, weight, bias)
+    if _onednn_applies(x, weight):
+        return cpu_gemm.onednn_linear(x, weight, bias)
     if cpu_bf16.usable(x, weight):
         return cpu_bf16.gemv(x, weight, bias)
     if weight.dtype is torch.bfloat16 and x.dtype is torch.float32:  # bf16 storage, fp32 activations
@@ -70,7 +81,7 @@ def quant_linear(x: torch.Tensor, q: QuantWeight, bias: torch.Tensor | None = No
             out = cpu_quant.gemv(q.method, x2, w, s, q.group_size, bias)
         else:
             w, s = q.kernel_weights()
-            out = cpu_quant.matmul(q.method, x2, w, s, q.group_size, bias)
+            out = cpu_quant.matmul(q.method, x2, w, s, q.group_size, bias, cpu_gemm.path_of(q))
     else:
         out = F.linear(x2, q.dequantize(x.dtype), bias)
     return out.view(*x.shape[:-1], out.shape[-1])

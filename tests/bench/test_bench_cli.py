@@ -70,6 +70,24 @@ def test_latency_vs_hf_writes_json(tmp_path, capsys):
     assert isinstance(data["unstable"], list)
 
 
+def test_competing_load_children_are_reaped():
+    import os
+
+    from strata.bench.common import CompetingLoad
+
+    with CompetingLoad(2) as load:
+        pids = [p.pid for p in load.procs]
+        assert len(pids) == 2 and all(p.poll() is None for p in load.procs)
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    with pytest.raises(RuntimeError), CompetingLoad(1) as load:  # reaped on an error too
+        pid = load.procs[0].pid
+        raise RuntimeError("inside")
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
 def test_stability_notes_name_what_moved():
     from strata.bench.common import median_of_runs, spread, stability_notes
 

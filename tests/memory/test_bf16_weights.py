@@ -21,7 +21,7 @@ from strata.config import EngineConfig
 from strata.errors import ConfigError
 from strata.graph.loader import load_model
 from strata.hardware import dtype_policy
-from strata.kernels import cpu_bf16
+from strata.kernels import cpu_gemm
 from strata.memory.bf16_weights import WidenedEmbedding, narrow_model
 from strata.memory.planner import weight_bytes
 from strata.memory.quant import model_weight_bytes
@@ -43,18 +43,11 @@ def _rounded(model) -> None:
                 p.copy_(p.bfloat16().float())
 
 
-@pytest.fixture
-def fp32_gemm():
-    before = cpu_bf16.gemm()
-    cpu_bf16.set_gemm("fp32")
-    yield
-    cpu_bf16.set_gemm(before)
-
-
 @pytest.mark.parametrize("family", ["llama", "qwen2"])  # tied embedding / untied with q/k/v bias
-def test_modules_bytes_and_exactness(tiny_models, family, fp32_gemm):
+def test_modules_bytes_and_exactness(tiny_models, family):
     m = tiny_models[family]
     model = narrow_model(load_model(m.path, torch.float32))
+    cpu_gemm.mark(model, "aten", "aten")  # the exact prefill path: widened tiles, fp32 GEMM
     for layer in model.layers:
         for mod in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
             assert mod.weight.dtype == torch.bfloat16
@@ -79,16 +72,13 @@ def test_bf16_prefill_gemm_within_its_stated_tolerance(llama):
     _rounded(twin)
     ids = random_prompt(2, 48, llama.vocab_size)
     ref = _logits(twin, ids)
-    before = cpu_bf16.gemm()
-    try:
-        cpu_bf16.set_gemm("bf16")
-        got = _logits(model, ids)
-    finally:
-        cpu_bf16.set_gemm(before)
+    assert cpu_gemm.mark(model, "aten", "bf16") == 4 * llama.num_layers + 1
+    assert cpu_gemm.path_of(model.lm_head.weight) == "bf16"
+    got = _logits(model, ids)
     err = (got - ref) / ref.std()
     assert err.pow(2).mean().sqrt() <= 0.02 and err.abs().max() <= 0.1
-    with pytest.raises(ValueError, match="fp32, bf16"):
-        cpu_bf16.set_gemm("int8")
+    with pytest.raises(ValueError, match="aten, onednn, bf16"):
+        cpu_gemm.mark(model, "aten", "int8")
 
 
 def _bf16_checkpoint(src, dst):
@@ -100,7 +90,7 @@ def _bf16_checkpoint(src, dst):
     return dst
 
 
-def test_engine_greedy_equals_fp32_on_a_bf16_checkpoint(llama, tmp_path, fp32_gemm):
+def test_engine_greedy_equals_fp32_on_a_bf16_checkpoint(llama, tmp_path):
     """A bf16 checkpoint: bf16 storage computes what fp32 weights would, token for token."""
     path = _bf16_checkpoint(llama.path, tmp_path / "bf16")
     prompts = [random_prompt(s, n, llama.vocab_size) for s, n in ((3, 5), (4, 30), (5, 12))]
@@ -110,11 +100,13 @@ def test_engine_greedy_equals_fp32_on_a_bf16_checkpoint(llama, tmp_path, fp32_ge
     narrow = make_llm(path, dtype="auto", quantization="bf16")
     assert narrow.engine.dtype == torch.float32 and narrow.engine.config.quantization == "bf16"
     assert narrow.engine.config.dtype == "float32"
-    cpu_bf16.set_gemm("fp32")  # the engine set it from this machine's measurement
+    cpu_gemm.mark(narrow.engine.model, "aten", "aten")  # exact prefill (the engine marked this machine's fastest)
+    wide = make_llm(path, dtype="float32")
+    cpu_gemm.mark(wide.engine.model, "aten", "aten")
     got = [o.outputs[0].token_ids for o in narrow.generate(prompts, sp, use_tqdm=False)]
-    want = [o.outputs[0].token_ids for o in make_llm(path, dtype="float32").generate(prompts, sp, use_tqdm=False)]
+    want = [o.outputs[0].token_ids for o in wide.generate(prompts, sp, use_tqdm=False)]
     assert got == want
-    assert narrow.engine.plan.weight_bytes < make_llm(path, dtype="float32").engine.plan.weight_bytes * 0.6
+    assert narrow.engine.plan.weight_bytes < wide.engine.plan.weight_bytes * 0.6
 
 
 def test_auto_policy_by_measurement():

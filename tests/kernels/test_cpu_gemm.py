@@ -1,0 +1,97 @@
+"""Prefill GEMM paths marked on weights (kernels/cpu_gemm.py) against torch's fp32 F.linear."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from strata.errors import ConfigError
+from strata.hardware import dtype_policy
+from strata.hardware.profile import HardwareProfile
+from strata.kernels import cpu_gemm, cpu_quant, quant_formats
+from strata.kernels.linear import linear
+
+needs_onednn = pytest.mark.skipif(not cpu_gemm.onednn_available(), reason="torch built without oneDNN")
+
+
+def _tol(in_f: int) -> dict:
+    return dict(rtol=1e-5, atol=2e-7 * in_f + 1e-5)
+
+
+@needs_onednn
+@pytest.mark.parametrize("shape", [(17, 64), (333, 100), (1024, 576)])
+@pytest.mark.parametrize("rows", [17, 40, 130])
+def test_onednn_fp32_path_matches_torch(shape, rows):
+    g = torch.Generator().manual_seed(rows + shape[0])
+    w = nn.Parameter(torch.randn(*shape, generator=g), requires_grad=False)
+    b = torch.randn(shape[0], generator=g)
+    x = torch.randn(2, rows, shape[1], generator=g)  # any leading shape
+    ref = F.linear(x, w, b)
+    setattr(w, cpu_gemm.ATTR, "onednn")
+    with torch.inference_mode():
+        got = linear(x, w, b)
+    assert got.shape == ref.shape
+    torch.testing.assert_close(got, ref, **_tol(shape[1]))
+    xg = torch.randn(20, shape[1], requires_grad=True)  # autograd: torch's path, which has a backward
+    linear(xg, w).sum().backward()
+    assert xg.grad is not None
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("path", ["aten", "onednn", "bf16"])
+def test_quantised_prefill_paths(method, path):
+    if path == "onednn" and not cpu_gemm.onednn_available():
+        pytest.skip("torch built without oneDNN")
+    w, x, b = torch.randn(300, 256), torch.randn(40, 256), torch.randn(300)
+    if method == "int8":
+        q, s = quant_formats.quantize_int8(w)
+        ref_w = quant_formats.dequantize_int8_ref(q, s)
+    else:
+        q, s = quant_formats.quantize_int4(w, 64)
+        ref_w = quant_formats.dequantize_int4_ref(q, s)
+    got = cpu_quant.matmul(method, x, q, s, 64 if method == "int4" else 0, b, path)
+    if path == "bf16":  # activations, weights and the product rounded to bf16 (oneDNN's bf16 GEMM)
+        ref = F.linear(x.bfloat16().float(), ref_w.bfloat16().float()).bfloat16().float() + b
+        torch.testing.assert_close(got, ref, rtol=2**-7, atol=1e-3)
+    else:
+        torch.testing.assert_close(got, F.linear(x, ref_w, b), **_tol(256))
+
+
+def test_mark_sets_paths_by_weight_storage():
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    model[1].weight = nn.Parameter(model[1].weight.detach().bfloat16(), requires_grad=False)
+    assert cpu_gemm.path_of(model[0].weight) == "aten"  # unmarked
+    path = "onednn" if cpu_gemm.onednn_available() else "aten"
+    assert cpu_gemm.mark(model, path, "bf16") == 2
+    assert cpu_gemm.path_of(model[0].weight) == path and cpu_gemm.path_of(model[1].weight) == "bf16"
+    with pytest.raises(ValueError, match="choose aten, onednn"):
+        cpu_gemm.mark(model, "bf16", "aten")
+
+
+def _profile(gemm: dict) -> HardwareProfile:
+    return HardwareProfile(
+        device="cpu", name="synthetic", cores=2, threads=2, isa=[], memory_bytes=2**34, mem_bandwidth_gbs=40.0,
+        linear_gbs={"float32": 30.0}, matmul_gflops={"float32": 60.0}, torch_version=torch.__version__,
+        gemm_gflops=gemm,
+    )
+
+
+def test_prefill_gemm_policy_by_measurement():
+    amd = _profile({"float32": 200.0, "float32_onednn": 450.0, "bfloat16": 970.0})
+    assert dtype_policy.prefill_gemms(amd)[:2] == ("onednn", "bf16")
+    mkl_wins = _profile({"float32": 300.0, "float32_onednn": 290.0, "bfloat16": 310.0})  # no bf16 edge
+    assert dtype_policy.prefill_gemms(mkl_wins)[:2] == ("aten", "aten")
+    no_onednn = _profile({"float32": 200.0, "bfloat16": 60.0})  # AVX2: slow bf16, no oneDNN figure
+    fp32, narrow, why = dtype_policy.prefill_gemms(no_onednn)
+    assert (fp32, narrow) == ("aten", "aten") and "fp32 weights aten" in why
+
+
+def test_prefill_gemm_override(monkeypatch):
+    amd = _profile({"float32": 200.0, "float32_onednn": 450.0, "bfloat16": 970.0})
+    monkeypatch.setenv("STRATA_PREFILL_GEMM", "aten")  # exact everywhere, whatever was measured
+    assert dtype_policy.prefill_gemms(amd)[:2] == ("aten", "aten")
+    monkeypatch.setenv("STRATA_PREFILL_GEMM", "bf16")
+    assert dtype_policy.prefill_gemms(_profile({"float32": 300.0, "bfloat16": 100.0}))[:2] == ("aten", "bf16")
+    monkeypatch.setenv("STRATA_PREFILL_GEMM", "fast")
+    with pytest.raises(ConfigError, match="STRATA_PREFILL_GEMM='fast'.*choose auto"):
+        dtype_policy.prefill_gemms(amd)
