@@ -12,6 +12,7 @@ import logging
 import time
 
 from strata.config import EngineConfig
+from strata.engine import adaptive_threads
 from strata.engine.build import build_engine
 from strata.engine.parallel import STOP, RankDied, encode_step
 from strata.engine.request import CompletionOutput, Request, RequestOutput, SeqStatus
@@ -43,6 +44,8 @@ class LLMEngine:
         self.step_observers: list = []  # callables(engine) run after every step (benchmarks, metrics)
         self.num_steps = 0
         self.stage_seconds = {"schedule": 0.0, "forward": 0.0, "sample": 0.0}  # cumulative, per step phase
+        if adaptive_threads.enabled() and self.config.device == "cpu" and self.ranks is None:
+            self.step_observers.append(adaptive_threads.AdaptiveThreads(self.threads))
 
     def close(self) -> None:
         """Free the model, the KV cache and the swap space now (requests in flight are aborted);
