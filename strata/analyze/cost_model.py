@@ -128,10 +128,10 @@ def this_device(profile, dtype: torch.dtype, quantization: str | None, count: in
 
     notes = [f"measured on this machine by strata hw ({profile.name}, {profile.threads} threads)"]
     if cpu:
+        from strata.hardware.dtype_policy import GEMM_RATE_KEY as rate_key
         from strata.hardware.dtype_policy import prefill_gemms
 
         fp32_path, narrow_path, _ = prefill_gemms(profile)  # the GEMMs the engine will mark
-        rate_key = {"aten": "float32", "onednn": "float32_onednn", "bf16": "bfloat16"}
     if cpu and quantization == "bf16":  # bf16 weights, fp32 compute (memory/bf16_weights.py)
         stream = need(profile.linear_gbs, "bfloat16", "batch-1 linear")
         few = need(profile.matmul_gflops, "bfloat16", "batched linear")

@@ -81,14 +81,11 @@ def _measure(cfg: ModelConfig, dtype: torch.dtype, tokens: int, device: str) -> 
         copies = max(1, min(MAX_COPIES, math.ceil(SPAN_BYTES / max(per_layer, 1))))
         layers = [first] + [DecoderLayer(cfg).to(device=dev, dtype=dtype) for _ in range(copies - 1)]
         if dev.type == "cpu":  # the prefill GEMMs the engine marks on its own projections
-            from strata.hardware.dtype_policy import prefill_gemms
+            from strata.hardware.dtype_policy import mark_prefill_gemms
             from strata.hardware.probe import probe
-            from strata.kernels import cpu_gemm
 
-            fp32, narrow, _ = prefill_gemms(probe("cpu"))
-            if cpu_gemm.onednn_available():
-                for layer in layers:
-                    cpu_gemm.mark(layer, fp32, narrow)
+            for layer in layers:
+                mark_prefill_gemms(layer, probe("cpu"))
         caches = [torch.zeros(2, blocks, block, cfg.num_kv_heads, cfg.head_dim, device=dev, dtype=dtype)
                   for _ in range(copies)]
         # the engine's own prefill step: flat [T, hidden] tokens, paged cache write, SDPA

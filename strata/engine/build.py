@@ -150,14 +150,13 @@ def decode_first_cap(config: EngineConfig, cfg: ModelConfig, dtype: torch.dtype)
         return config.max_prefill_tokens_while_decoding
     if config.device != "cpu":
         return None
-    from strata.hardware.dtype_policy import prefill_gemms
+    from strata.hardware.dtype_policy import GEMM_RATE_KEY, prefill_gemms
     from strata.hardware.probe import probe
 
     prof = probe("cpu")
     fp32, narrow, _ = prefill_gemms(prof)
     path = narrow if config.quantization is not None else fp32
-    name = {"aten": "float32", "onednn": "float32_onednn", "bf16": "bfloat16"}[path]
-    gflops = prof.gemm_gflops.get(name) or prof.gemm_gflops.get("float32", 0.0)
+    gflops = prof.gemm_gflops.get(GEMM_RATE_KEY[path]) or prof.gemm_gflops.get("float32", 0.0)
     if gflops <= 0:
         return None
     tokens_per_s = gflops * 1e9 / (2 * cfg.num_params())
@@ -174,14 +173,10 @@ def mark_gemms(model, config: EngineConfig) -> None:
     replace the weight tensors."""
     if config.device != "cpu":
         return
-    from strata.hardware.dtype_policy import prefill_gemms
+    from strata.hardware.dtype_policy import mark_prefill_gemms
     from strata.hardware.probe import probe
-    from strata.kernels import cpu_gemm
 
-    fp32, narrow, why = prefill_gemms(probe("cpu"))
-    if not cpu_gemm.onednn_available():
-        fp32, narrow = "aten", "aten" if narrow == "onednn" else narrow
-    count = cpu_gemm.mark(model, fp32, narrow)
+    count, why = mark_prefill_gemms(model, probe("cpu"))
     logger.info("prefill GEMMs: %d projections marked (%s)", count, why)
 
 

@@ -166,6 +166,9 @@ def bf16_storage(profile: HardwareProfile, checkpoint_dtype: torch.dtype) -> tup
     return decode_x >= SWITCH_MARGIN, prefill, why
 
 
+GEMM_RATE_KEY = {"aten": "float32", "onednn": "float32_onednn", "bf16": "bfloat16"}  # path -> gemm_gflops key
+
+
 def prefill_gemms(profile: HardwareProfile) -> tuple[str, str, str]:
     """CPU prefill GEMM paths (kernels/cpu_gemm.py) by measurement: (fp32 weights' path, narrow
     weights' path, why). fp32: oneDNN where its measured fp32 GEMM beats torch's (MKL) by
@@ -177,9 +180,7 @@ def prefill_gemms(profile: HardwareProfile) -> tuple[str, str, str]:
     if forced not in ("auto", "aten", "onednn", "bf16"):
         raise ConfigError(f"{PREFILL_GEMM_ENV}={forced!r}: choose auto, aten, onednn (every weight on that "
                           "fp32 GEMM, exact) or bf16 (narrow weights through the bf16 GEMM)")
-    aten = profile.gemm_gflops.get("float32", 0.0)
-    onednn = profile.gemm_gflops.get("float32_onednn", 0.0)
-    bf16 = profile.gemm_gflops.get("bfloat16", 0.0)
+    aten, onednn, bf16 = (profile.gemm_gflops.get(GEMM_RATE_KEY[p], 0.0) for p in ("aten", "onednn", "bf16"))
     fp32 = "onednn" if onednn >= SWITCH_MARGIN * aten and onednn > 0 else "aten"
     best = max(aten, onednn) if fp32 == "onednn" else aten
     narrow = "bf16" if best > 0 and bf16 >= SWITCH_MARGIN * best else fp32
@@ -191,3 +192,15 @@ def prefill_gemms(profile: HardwareProfile) -> tuple[str, str, str]:
            f"fp32 weights {fp32}, narrow weights {narrow}"
            + (f" ({PREFILL_GEMM_ENV}={forced})" if forced != "auto" else ""))
     return fp32, narrow, why
+
+
+def mark_prefill_gemms(model, profile: HardwareProfile) -> tuple[int, str]:
+    """Mark every projection of `model` with the prefill GEMM path `prefill_gemms` picks (kernels/
+    cpu_gemm.py), falling back to aten where this torch build lacks oneDNN's linear. Returns
+    (projections marked, why)."""
+    from strata.kernels import cpu_gemm
+
+    fp32, narrow, why = prefill_gemms(profile)
+    if not cpu_gemm.onednn_available():
+        fp32, narrow = "aten", "aten" if narrow == "onednn" else narrow
+    return cpu_gemm.mark(model, fp32, narrow), why
