@@ -42,6 +42,7 @@ def test_onednn_fp32_path_matches_torch(shape, rows):
 def test_quantised_prefill_paths(method, path):
     if path == "onednn" and not cpu_gemm.onednn_available():
         pytest.skip("torch built without oneDNN")
+    torch.manual_seed(0)  # a product on a bf16 rounding boundary can round either way: fixed inputs
     w, x, b = torch.randn(300, 256), torch.randn(40, 256), torch.randn(300)
     if method == "int8":
         q, s = quant_formats.quantize_int8(w)
