@@ -306,9 +306,19 @@ def import_apart(module: str) -> None:
     the user's frame holding the LLM under construction, and `del llm` would free nothing. From a
     thread, the chain ends in the thread.
     """
-    t = threading.Thread(target=importlib.import_module, args=(module,), name="strata-import")
+    failed: list[BaseException] = []
+
+    def run() -> None:  # an import the caller's Ctrl-C cut short fails here: raise it there, not print it
+        try:
+            importlib.import_module(module)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            failed.append(e)
+
+    t = threading.Thread(target=run, name="strata-import", daemon=True)
     t.start()
     t.join()
+    if failed:
+        raise failed[0]
 
 
 # --- the whole -------------------------------------------------------------------------------------
