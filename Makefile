@@ -3,6 +3,7 @@ VENV    := .venv
 PY      := $(VENV)/bin/python
 PIP     := $(VENV)/bin/pip
 STAMP   := $(VENV)/.installed-stamp
+TRITON_STAMP := $(VENV)/.triton-stamp
 PROMPT  ?= To be, or not to be
 
 .PHONY: demo test lint install clean
@@ -16,6 +17,12 @@ $(STAMP): $(PY) pyproject.toml
 	$(PIP) install -e ".[dev]"
 	touch $(STAMP)
 
+# triton (~1 GB installed) only where its kernels' interpreter tests run: `make test`, hence CI
+$(TRITON_STAMP): $(STAMP)
+	$(PIP) install -e ".[dev,triton]"
+	$(PY) -c "import triton.language"
+	touch $(TRITON_STAMP)
+
 install: $(STAMP)
 
 demo: $(STAMP)
@@ -26,7 +33,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check strata tests
 	$(VENV)/bin/lint-imports
 
-test: $(STAMP) lint
+test: $(STAMP) $(TRITON_STAMP) lint
 	$(PY) -m pytest
 
 clean:
