@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from strata.config import DTYPES, EngineConfig
+from strata.engine.grammar import GrammarCompiler
 from strata.engine.lifecycle import SequenceLifecycle
 from strata.engine.preemption import SwapPolicy
 from strata.engine.runner import ModelRunner
@@ -412,7 +413,10 @@ def _build(config: EngineConfig, ckpt: Checkpoint, detokenize: bool, threads: in
     swapper = KVSwapper(kv_caches, blocks.host) if blocks.host is not None else None
     runner = ModelRunner(model, kv_caches, config.block_size, config.device, backend,
                          forward=forward, decode_step=decode_step, swapper=swapper)
-    lifecycle = SequenceLifecycle(ckpt.eos_token_ids, max_len, ckpt.tokenizer if detokenize else None)
+    grammars = None
+    if ckpt.tokenizer is not None:  # structured output; compiled lazily, at the first such request
+        grammars = GrammarCompiler(ckpt.tokenizer.to_json(), cfg.vocab_size, ckpt.eos_token_ids)
+    lifecycle = SequenceLifecycle(ckpt.eos_token_ids, max_len, ckpt.tokenizer if detokenize else None, grammars)
     prefer_swap = SwapPolicy(config, plan, dtype, cfg)
     scheduler = Scheduler(blocks, config.max_num_seqs, config.max_num_batched_tokens, prefer_swap, lifecycle,
                           decode_first_cap(config, cfg, dtype))

@@ -9,19 +9,24 @@ max_model_len / stop strings). It holds no sequences itself.
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 
 from strata.engine.request import Request, Sequence
 
+logger = logging.getLogger(__name__)
+
 
 class SequenceLifecycle:
     def __init__(self, eos_token_ids: list[int] = (), max_model_len: int | float = math.inf,
-                 tokenizer=None) -> None:
+                 tokenizer=None, grammars=None) -> None:
         """tokenizer: detokenise each sequence's output (and apply stop strings) as tokens come;
-        None leaves text and stop strings to the caller (the server's front end)."""
+        None leaves text and stop strings to the caller (the server's front end). grammars:
+        engine/grammar.GrammarCompiler, for requests with structured output (None: refused)."""
         self.eos_token_ids = list(eos_token_ids)
         self.max_model_len = max_model_len
         self.tokenizer = tokenizer
+        self.grammars = grammars
         self._seq_ids = itertools.count()
 
     def new_sequence(self, req: Request, index: int) -> Sequence:
@@ -30,6 +35,8 @@ class SequenceLifecycle:
             from strata.engine.output_text import OutputText
 
             seq.output_text = OutputText(self.tokenizer, req.prompt_token_ids, req.params)
+        if req.params.structured is not None:  # the engine checked it compiles (LLMEngine.validate)
+            seq.grammar = self.grammars.matcher(req.params.structured)
         req.seqs.append(seq)
         return seq
 
@@ -50,6 +57,8 @@ class SequenceLifecycle:
                 reason = "stop"
             elif token in p.stop_token_ids:
                 reason, stop_reason = "stop", token
+        if seq.grammar is not None:
+            reason = self._follow_grammar(seq, token) or reason
         if reason is None and (
             (p.max_tokens is not None and n_out >= p.max_tokens) or seq.num_tokens >= self.max_model_len
         ):
@@ -63,3 +72,12 @@ class SequenceLifecycle:
             return False
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         return True
+
+    @staticmethod
+    def _follow_grammar(seq: Sequence, token: int) -> str | None:
+        """Advance the sequence's grammar; "stop" once it is complete (nothing more may follow)."""
+        if not seq.grammar.consume_token(token):  # the mask allowed only valid tokens: a bug if here
+            logger.error("sequence %d: token %d broke its grammar (%s); stopping it", seq.seq_id, token,
+                         seq.grammar.get_error())
+            return "stop"
+        return "stop" if seq.grammar.is_stopped() else None

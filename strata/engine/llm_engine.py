@@ -14,9 +14,11 @@ import time
 from strata.config import EngineConfig
 from strata.engine import adaptive_threads
 from strata.engine.build import build_engine
+from strata.engine.grammar import GrammarMasks
 from strata.engine.parallel import STOP, RankDied, encode_step
 from strata.engine.request import CompletionOutput, Request, RequestOutput, SeqStatus
 from strata.engine.sampling_params import SamplingParams
+from strata.engine.scheduler import sampling_seqs
 from strata.errors import RequestError
 from strata.memory.blocks import KVUsage
 
@@ -43,6 +45,7 @@ class LLMEngine:
         self.last_schedule = None
         self.step_observers: list = []  # callables(engine) run after every step (benchmarks, metrics)
         self.num_steps = 0
+        self.grammar_masks = GrammarMasks(self.model_config.vocab_size)  # structured output
         self.stage_seconds = {"schedule": 0.0, "forward": 0.0, "sample": 0.0}  # cumulative, per step phase
         if adaptive_threads.enabled() and self.config.device == "cpu" and self.ranks is None:
             self.step_observers.append(adaptive_threads.AdaptiveThreads(self.threads))
@@ -63,6 +66,7 @@ class LLMEngine:
         self.model = self.kv_caches = self.runner = self.scheduler = self.sampler = self.fusion = None
         self.block_manager = self.last_schedule = self.ranks = self._control = None
         self.step_observers = []
+        self.grammar_masks.close()
         if ranks is not None:
             # nothing may hold a Communicator (the sharded model does) when the world is destroyed:
             # torch's process-group teardown then aborts the process at exit now and then
@@ -128,6 +132,12 @@ class LLMEngine:
             raise RequestError(f"request {index}: prompt token ids must be in [0, {vocab})")
         if params.logprobs is not None and params.logprobs > vocab:
             raise RequestError(f"request {index}: logprobs must be <= vocab size {vocab}")
+        if params.structured is not None:
+            grammars = self.scheduler.lifecycle.grammars
+            if grammars is None:
+                raise RequestError(f"request {index}: structured output needs the checkpoint's tokenizer "
+                                   f"({self.model_path} has no tokenizer.json)", param="structured")
+            grammars.matcher(params.structured)  # compiles it now (cached), so a bad one fails here
 
     def add_request(
         self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams
@@ -169,11 +179,13 @@ class LLMEngine:
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         self.last_schedule = out  # for observers (the analyzer classifies steps by it)
+        masks = self.grammar_masks.start(sampling_seqs(out))  # beside the forward pass
         t1 = time.perf_counter()
         logits, seqs = self._execute(out)
         self.num_steps += 1
         t2 = time.perf_counter()
-        sampled = self.sampler(logits, seqs) if seqs else None
+        constrain = None if masks is None else (lambda x: self.grammar_masks.apply(x, seqs, masks))
+        sampled = self.sampler(logits, seqs, constrain) if seqs else None
         touched = self.scheduler.update(out, seqs, sampled)
         t3 = time.perf_counter()
         st = self.stage_seconds

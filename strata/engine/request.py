@@ -38,6 +38,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
+        self.grammar: Any = None  # structured output: an llguidance matcher following the output
 
     @property
     def num_tokens(self) -> int:

@@ -56,7 +56,10 @@ class Sampler:
         self.seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}  # one per device (CPU, cuda:N)
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence], constrain=None) -> SamplerOutput:
+        """constrain(logits) -> logits: structured output's masks (engine/grammar.GrammarMasks),
+        applied after penalties; a row left with no token (min_tokens forbids the only one its
+        grammar allows: EOS) takes the grammar's choice."""
         dev = logits.device
         rows = len(seqs)
         params = [s.request.params for s in seqs]
@@ -64,7 +67,16 @@ class Sampler:
         if any(p.logprobs is not None for p in params):
             raw_logprobs = logits.log_softmax(-1)
         logits = self._penalties(logits, seqs)
-        logits = self._min_tokens(logits, seqs)
+        if constrain is not None:
+            logits = constrain(logits)
+            unmasked = logits
+            logits = self._min_tokens(logits, seqs)
+            if logits is not unmasked:
+                dead = torch.isneginf(logits).all(-1)
+                if bool(dead.any()):
+                    logits[dead] = unmasked[dead]
+        else:
+            logits = self._min_tokens(logits, seqs)
         greedy = torch.tensor([p.temperature == 0 for p in params], device=dev)
         greedy_ids = logits.argmax(-1)
         tokens = greedy_ids

@@ -46,6 +46,54 @@ def _show(v: object) -> str:
     return text if len(text) <= 200 else text[:200] + "..."
 
 
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass
+class StructuredOutput:
+    """Constrain a completion (exactly one field set): `json` a JSON schema (dict or its JSON text),
+    `json_object` any JSON object, `regex` a regular expression (Rust regex syntax), `choice` one of
+    these strings, `grammar` a Lark grammar as llguidance reads it. The completion stops when the
+    grammar is complete. vLLM's StructuredOutputsParams / GuidedDecodingParams, same field names."""
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def kinds(self) -> list[str]:
+        return [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+
+    def validate(self, param: str = "structured", prefix: str = "") -> None:
+        """Raise RequestError naming `param` (the field the user set: structured, response_format)."""
+
+        def bad(msg: str) -> RequestError:
+            return RequestError(f"{prefix}{param}: {msg}", param=param)
+
+        kinds = self.kinds()
+        if len(kinds) != 1:
+            raise bad(f"set exactly one of {', '.join(STRUCTURED_KINDS)}, got {kinds or 'none'}")
+        if self.json is not None and not isinstance(self.json, dict | str):
+            raise bad("json must be a JSON schema (an object, or its JSON text)")
+        if not isinstance(self.json_object, bool):
+            raise bad("json_object must be true or false")
+        if self.regex is not None and not isinstance(self.regex, str):
+            raise bad("regex must be a string")
+        if self.grammar is not None and not isinstance(self.grammar, str):
+            raise bad("grammar must be a Lark grammar (a string)")
+        if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
+                                        or any(not isinstance(c, str) or not c for c in self.choice)):
+            raise bad("choice must be a non-empty list of non-empty strings")
+
+
+def _structured(value: object) -> object:
+    """A dict (the wire form, or a user's) becomes StructuredOutput; anything else is judged later."""
+    if isinstance(value, dict) and set(value) <= {f for f in StructuredOutput.__dataclass_fields__}:
+        return StructuredOutput(**value)
+    return value
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -65,6 +113,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-N logprobs per generated token
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured: StructuredOutput | None = None  # constrained decoding (engine/grammar.py)
 
     def __post_init__(self) -> None:
         # Normalise only; never raise here, so a bad value is reported by validate() with the
@@ -75,6 +124,7 @@ class SamplingParams:
             self.stop = []
         elif isinstance(self.stop, list | tuple):
             self.stop = list(self.stop)
+        self.structured = _structured(self.structured)
         if self.stop_token_ids is None:
             self.stop_token_ids = []
         elif isinstance(self.stop_token_ids, list | tuple):
@@ -131,3 +181,8 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "must be true or false")
+        if self.structured is not None:
+            if not isinstance(self.structured, StructuredOutput):
+                raise bad("structured", "must be a StructuredOutput (or a dict of its fields: "
+                          f"{', '.join(STRUCTURED_KINDS)})")
+            self.structured.validate("structured", f"request {index}: ")

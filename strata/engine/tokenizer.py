@@ -201,6 +201,10 @@ class Tokenizer:
             raise ModelLoadError(f"{self.name}: {field} {token!r} from tokenizer_config.json is not in the vocabulary")
         return token_id
 
+    def to_json(self) -> str:
+        """The fast tokenizer as tokenizer.json text (with the added tokens of tokenizer_config)."""
+        return self._backend.to_str()
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; add_special_tokens applies the post-processor (e.g. a leading BOS)."""
         if not isinstance(text, str):

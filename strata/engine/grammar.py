@@ -1,0 +1,194 @@
+"""Structured output: a request's StructuredOutput -> an llguidance grammar -> per-token masks.
+
+llguidance (PyPI, CPU wheels) compiles JSON schemas, regexes and Lark grammars against the
+checkpoint's tokenizer and computes, per step, the set of tokens that keep the output inside
+the grammar. Why llguidance rather than xgrammar: docs/design-notes.md, "Structured output"
+(benchmarks/structured_engines.py measures both on our tokenizers).
+
+Per sequence, a matcher (deep copy of a cached, compiled template) follows the sampled tokens.
+Each step's masks are computed in a worker thread while the forward pass runs (they depend only
+on tokens already sampled), then the sampler applies them to the constrained rows only, as one
+vectorised masked_fill: unconstrained rows in the same batch are untouched.
+
+Choices made here (a user can override the first two inside the schema: x-guidance):
+- JSON is compact: ", " and ": " separators, no other whitespace (a random or weak model cannot
+  loop on newlines, and the output is deterministic);
+- an object schema without `additionalProperties` is closed (as xgrammar's strict mode does):
+  the model writes the properties the schema names, and the output still validates;
+- the completion stops as soon as the grammar is complete (finish_reason "stop").
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from strata.engine.sampling_params import StructuredOutput
+from strata.errors import RequestError
+
+logger = logging.getLogger(__name__)
+
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+MAX_CACHED_GRAMMARS = 256  # compiled templates kept (LRU); a matcher per sequence is a deep copy
+
+# JSON-schema keywords whose value is a schema, a list of schemas, or a map of name -> schema
+_SCHEMA_KEYS = ("additionalProperties", "items", "not", "if", "then", "else", "contains",
+                "propertyNames", "unevaluatedProperties", "unevaluatedItems", "additionalItems")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def close_objects(schema):
+    """A copy of `schema` where every object schema that does not say `additionalProperties`
+    forbids extra properties (walks the keywords that hold schemas, never property names)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SCHEMA_KEYS:
+        if isinstance(out.get(key), dict):
+            out[key] = close_objects(out[key])
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [close_objects(s) for s in out[key]]
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: close_objects(s) for name, s in out[key].items()}
+    is_object = out.get("type") == "object" or (isinstance(out.get("type"), list) and "object" in out["type"]) \
+        or ("type" not in out and "properties" in out)
+    if is_object and "additionalProperties" not in out and "patternProperties" not in out \
+            and "unevaluatedProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+def _llg():
+    try:
+        import llguidance
+    except ImportError as e:  # a declared dependency; only a broken install lacks it
+        raise RequestError(f"structured output needs the llguidance package ({e}); pip install llguidance") from None
+    return llguidance
+
+
+def grammar_text(so: StructuredOutput, param: str = "structured") -> str:
+    """The llguidance grammar (its JSON form) for `so`; RequestError naming `param` if malformed."""
+    M = _llg().LLMatcher
+    if so.json is not None:
+        schema = so.json
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as e:
+                raise RequestError(f"{param}: the JSON schema is not valid JSON: {e}", param=param) from None
+        if not isinstance(schema, dict | bool):
+            raise RequestError(f"{param}: a JSON schema must be an object, got {type(schema).__name__}", param=param)
+        return M.grammar_from_json_schema(close_objects(schema), defaults=JSON_OPTIONS)
+    if so.json_object:
+        return M.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
+    if so.regex is not None:
+        return M.grammar_from_regex(so.regex)
+    if so.choice is not None:
+        return M.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in so.choice))
+    return M.grammar_from_lark(so.grammar)
+
+
+def check(so: StructuredOutput, param: str = "structured", tokenizer=None) -> str:
+    """Compile-check `so` (no tokenizer needed: the front end calls this); returns the grammar."""
+    so.validate(param)
+    text = grammar_text(so, param)
+    error = _llg().LLMatcher.validate_grammar(text, tokenizer)
+    if error and not error.startswith("WARNING"):
+        kind = so.kinds()[0].replace("_", " ")
+        raise RequestError(f"{param}: the {kind} cannot be used: {error.strip().splitlines()[0]}", param=param)
+    return text
+
+
+class GrammarCompiler:
+    """Compiles StructuredOutputs against one tokenizer; hands each sequence its own matcher."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: list[int]) -> None:
+        self._tokenizer_json = tokenizer_json
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        self._tokenizer = None
+        self._templates: OrderedDict[str, object] = OrderedDict()
+        self._lock = threading.Lock()  # the mask thread never compiles, but be safe with callers
+
+    @property
+    def tokenizer(self):
+        """llguidance's view of the vocabulary: built at the first structured request (~ms per
+        thousand tokens), with the model's vocabulary size (logit rows may be padded past it)."""
+        if self._tokenizer is None:
+            llg = _llg()
+            eos = self.eos_token_ids[0] if len(self.eos_token_ids) == 1 else (self.eos_token_ids or None)
+            self._tokenizer = llg.LLTokenizer(self._tokenizer_json, n_vocab=self.vocab_size, eos_token=eos)
+        return self._tokenizer
+
+    def matcher(self, so: StructuredOutput, param: str = "structured"):
+        """A fresh matcher for one sequence; RequestError if the grammar does not compile."""
+        text = grammar_text(so, param)
+        with self._lock:
+            template = self._templates.get(text)
+            if template is None:
+                template = _llg().LLMatcher(self.tokenizer, text, log_level=0)
+                if template.is_error():
+                    kind = so.kinds()[0].replace("_", " ")
+                    raise RequestError(f"{param}: the {kind} cannot be used: "
+                                       f"{template.get_error().strip().splitlines()[0]}", param=param)
+                self._templates[text] = template
+                if len(self._templates) > MAX_CACHED_GRAMMARS:
+                    self._templates.popitem(last=False)
+            else:
+                self._templates.move_to_end(text)
+            return template.deep_copy()
+
+
+class GrammarMasks:
+    """Each step's token masks for the constrained sequences, computed beside the forward pass."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self.words = (vocab_size + 31) // 32
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="strata-grammar")
+        self._shifts = torch.arange(32, dtype=torch.int32)
+
+    def start(self, seqs) -> Future | None:
+        """Begin computing masks for the constrained sequences among `seqs` (the ones sampling
+        this step); None when none is constrained."""
+        todo = [s for s in seqs if s.grammar is not None]
+        if not todo:
+            return None
+        return self._pool.submit(self._compute, todo)
+
+    def _compute(self, seqs) -> tuple[dict[int, int], torch.Tensor]:
+        bitmask = torch.empty(len(seqs), self.words, dtype=torch.int32)
+        row_bytes = self.words * 4
+        for i, s in enumerate(seqs):  # llguidance drops the GIL while it computes
+            s.grammar.unsafe_compute_mask_ptr(bitmask[i].data_ptr(), row_bytes)
+        return {s.seq_id: i for i, s in enumerate(seqs)}, bitmask
+
+    def apply(self, logits: torch.Tensor, seqs, pending: Future | None) -> torch.Tensor:
+        """Logits with every token a row's grammar forbids at -inf (constrained rows only)."""
+        if pending is None:
+            return logits
+        rows_of, bitmask = pending.result()
+        rows = [r for r, s in enumerate(seqs) if s.seq_id in rows_of]
+        if not rows:
+            return logits
+        bits = bitmask[[rows_of[seqs[r].seq_id] for r in rows]]
+        allowed = ((bits.unsqueeze(-1) >> self._shifts) & 1).bool().view(len(rows), -1)
+        width = logits.shape[-1]
+        if allowed.shape[1] < width:  # rows past the grammar's vocabulary are never allowed
+            allowed = torch.nn.functional.pad(allowed, (0, width - allowed.shape[1]))
+        allowed = allowed[:, :width].to(logits.device)
+        index = torch.tensor(rows, device=logits.device)
+        logits = logits.clone()
+        logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+        return logits
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False)
