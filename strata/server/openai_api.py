@@ -18,16 +18,17 @@ because they cannot change the output: `user`, `metadata`, `store`, `service_tie
 message, `name` and `tool_call_id` (handed to the chat template, which may use or ignore them).
 Not implemented, so a 400 naming the field unless it has the neutral value shown (then it is
 a no-op and accepted): `best_of` (null or = n), `logit_bias` (null, {}), `suffix` (null, ""),
-`use_beam_search` (null, false), `response_format` (null, {"type": "text"}), `tools` and
+`use_beam_search` (null, false), `tools` and
 `functions` (null, []), `tool_choice` and `function_call` (null, "none"), `parallel_tool_calls`,
 `modalities` (null, ["text"]), `audio`, `prediction`, `reasoning_effort`, `verbosity`,
-`web_search_options`, `prompt_logprobs`, `guided_json`, `guided_regex`, `guided_choice`,
-`guided_grammar`, `structured_outputs`, `allowed_token_ids`, `bad_words`, `logits_processors`,
+`web_search_options`, `prompt_logprobs`, `allowed_token_ids`, `bad_words`, `logits_processors`,
 `truncate_prompt_tokens`, `chat_template`, `chat_template_kwargs` (null, {}),
 `add_generation_prompt` (null, true), `continue_final_message` (null, false) (all others: null);
 in a message, `tool_calls` (null, []), `function_call`, `audio`, `refusal` (null) and
 `annotations` (null, []). Chat roles: system, user, assistant, tool, and developer (rendered as
 system). Completions: `echo` with `logprobs` is refused (prompt tokens' logprobs are not computed).
+Structured output: `response_format`, `structured_outputs` and vLLM's `guided_json`,
+`guided_regex`, `guided_choice`, `guided_grammar` (server/structured_api.py; at most one).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from strata.engine.sampling_params import SamplingParams
 from strata.errors import RequestError
+from strata.server.structured_api import GUIDED, structured_output
 
 MAX_TOP_LOGPROBS_COMPLETIONS = 5  # OpenAI's limits
 MAX_TOP_LOGPROBS_CHAT = 20
@@ -123,7 +125,6 @@ _UNSUPPORTED: dict[str, tuple[Any, str]] = {  # field: (neutral value test, what
     "logit_bias": (_is({}), "token biases"),
     "suffix": (_is(""), "text after the insertion point"),
     "use_beam_search": (_is(False), "beam search"),
-    "response_format": (_is({"type": "text"}), "structured output (JSON mode, JSON schema)"),
     "tools": (_is([]), "tool calling"),
     "tool_choice": (_is("none"), "tool calling"),
     "parallel_tool_calls": (_is(), "tool calling"),
@@ -136,8 +137,6 @@ _UNSUPPORTED: dict[str, tuple[Any, str]] = {  # field: (neutral value test, what
     "verbosity": (_is(), "reasoning models"),
     "web_search_options": (_is(), "web search"),
     "prompt_logprobs": (_is(), "prompt logprobs"),
-    **{name: (_is(), "guided decoding") for name in
-       ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")},
     "allowed_token_ids": (_is(), "restricting the vocabulary"),
     "bad_words": (_is([]), "banned words"),
     "logits_processors": (_is(), "logits processors"),
@@ -220,6 +219,13 @@ class _Common(BaseModel):
     include_stop_str_in_output: bool | None = False
     stream: bool | None = False
     stream_options: StreamOptions | None = None
+    # structured output (server/structured_api.py): at most one of these
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # accepted and ignored (they cannot change the output):
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -317,7 +323,11 @@ def sampling_params(req: _Common, defaults: dict[str, Any], logprobs: int | None
             fields[name] = value
         elif name in defaults:
             fields[name] = defaults[name]
+    fields["structured"], _ = structured_output({name: getattr(req, name) for name in _STRUCTURED_FIELDS})
     return SamplingParams(**fields)
+
+
+_STRUCTURED_FIELDS = ("response_format", "structured_outputs", *GUIDED)
 
 
 def completion_logprobs(req: CompletionRequest) -> int | None:

@@ -120,7 +120,8 @@ CASES = [
         {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, 400, "messages[0].content[0].type", "text parts"),
     ("messages-empty", CHAT, {"messages": []}, 400, "messages", "at least 1"),
     # fields Strata does not implement: 400 naming them, never a silent no-op
-    ("response_format", CHAT, {"response_format": {"type": "json_object"}}, 400, "response_format", "not implemented"),
+    ("response_format-bad-type", CHAT, {"response_format": {"type": "yaml"}}, 400, "response_format.type",
+     "json_schema"),
     ("tools", CHAT, {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, 400, "tools",
      "not implemented"),
     ("tool_choice", CHAT, {"tool_choice": "auto"}, 400, "tool_choice", "not implemented"),
@@ -134,7 +135,8 @@ CASES = [
     ("suffix", COMPLETIONS, {"suffix": " the end"}, 400, "suffix", "not implemented"),
     ("use_beam_search", COMPLETIONS, {"extra_body": {"use_beam_search": True}}, 400, "use_beam_search", "not impl"),
     ("prompt_logprobs", COMPLETIONS, {"extra_body": {"prompt_logprobs": 1}}, 400, "prompt_logprobs", "not impl"),
-    ("guided_json", CHAT, {"extra_body": {"guided_json": {"type": "object"}}}, 400, "guided_json", "not impl"),
+    ("guided_json-bad-schema", CHAT, {"extra_body": {"guided_json": {"type": "objekt"}}}, 400, "guided_json",
+     "Invalid type"),
     ("reasoning_effort", CHAT, {"reasoning_effort": "high"}, 400, "reasoning_effort", "not implemented"),
     ("modalities-audio", CHAT, {"modalities": ["text", "audio"]}, 400, "modalities", "not implemented"),
     ("message-tool_calls", CHAT, {"messages": [
