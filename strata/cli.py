@@ -208,6 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
     from strata.train import cli as train_cli  # `strata train`
 
     train_cli.register(sub)
+    from strata.deploy import cli as deploy_cli  # `strata deploy render`
+
+    deploy_cli.register(sub)
     return parser
 
 

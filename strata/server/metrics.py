@@ -55,9 +55,16 @@ class Metrics:
                              ["stage"], registry=r)
         self.step_phase = Counter("strata_engine_step_seconds", "engine loop wall time per step phase", ["phase"], registry=r)
         self.in_flight = Gauge("strata_http_requests_in_flight", "generation requests being served", registry=r)
+        # GPU start-up checks (hardware/startup_checks.py): 0/1 for alerts, and the detail as an info gauge
+        self.gpu_check_warning = Gauge("strata_gpu_check_warning", "1 when a GPU start-up check warned "
+                                       "(kernel_image, pcie_link, tf32); the log has the fix", ["check", "device"],
+                                       registry=r)
+        self.gpu_check_info = Gauge("strata_gpu_check_info", "GPU start-up checks: status and detail (value 1)",
+                                    ["check", "device", "status", "detail"], registry=r)
         for s in REQUEST_STAGES:
             self.stage.labels(s)
         self._last = EngineStats()
+        self._gpu_info: dict[tuple[str, str], tuple[str, ...]] = {}
 
     def on_engine_stats(self, s: EngineStats) -> None:
         """Gauges take the engine's values; counters advance by what changed since the last report."""
@@ -94,6 +101,17 @@ class Metrics:
                 self.stage.labels("prefill").inc(max(0.0, first - sched))
                 if end is not None:
                     self.stage.labels("decode").inc(max(0.0, end - first))
+
+    def gpu_checks(self, checks) -> None:
+        """Record start-up checks (startup_checks.GpuCheck); a check run again replaces its info series."""
+        for c in checks:
+            self.gpu_check_warning.labels(c.check, c.device).set(0 if c.ok else 1)
+            labels = (c.check, c.device, "ok" if c.ok else "warn", c.detail)
+            old = self._gpu_info.get((c.check, c.device))
+            if old is not None and old != labels:  # one info series per check and device
+                self.gpu_check_info.remove(*old)
+            self._gpu_info[(c.check, c.device)] = labels
+            self.gpu_check_info.labels(*labels).set(1)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
