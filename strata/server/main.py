@@ -168,6 +168,7 @@ async def _serve(args, kwargs: dict, model_path: str, opts: ServerOptions, layou
     state.tokenizer = Tokenizer.from_dir(model_path)
     app = build_app(state)
     routes_ops.install(app, state)
+    gpus = gpu_device_checks(kwargs, state.metrics)  # before the engine starts: kernel image, PCIe link
     server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                                     access_log=False, lifespan="off", timeout_keep_alive=5))
     http = asyncio.create_task(_http(server, sock, args.host, args.port))  # /health answers while loading
@@ -196,6 +197,7 @@ async def _serve(args, kwargs: dict, model_path: str, opts: ServerOptions, layou
             return _signal_code(signals)
         startup.result()
         state.info = state.engine.info
+        gpu_tf32_checks(gpus, state.info, state.metrics)
         state.ready = True
         port = sock.getsockname()[1] if sock is not None else args.port  # the real one for --port 0
         logger.warning("serving %s as %r on http://%s:%d (ready in %.1fs; %s; %s)", model_path,
@@ -245,6 +247,32 @@ async def _serve(args, kwargs: dict, model_path: str, opts: ServerOptions, layou
             state.tokenizers.close()
         ipc.cleanup()
     return code
+
+
+def gpu_device_checks(kwargs: dict, metrics: Metrics) -> list:
+    """On CUDA only: the start-up checks that need no model (hardware/startup_checks.py), logged as
+    warnings with the fix and exported as gauges; returns the GPUs' facts for the TF32 check."""
+    import torch
+
+    if not str(kwargs.get("device") or "cpu").startswith("cuda") or not torch.cuda.is_available():
+        return []
+    from strata.hardware import startup_checks
+
+    facts = startup_checks.gather_facts()
+    checks = startup_checks.device_checks(facts, list(torch.cuda.get_arch_list()))
+    startup_checks.report(checks)
+    metrics.gpu_checks(checks)
+    return facts
+
+
+def gpu_tf32_checks(facts: list, info: dict, metrics: Metrics) -> None:
+    """Once the engine reported the dtype it runs: does an fp32 model use TF32."""
+    if facts:
+        from strata.hardware import startup_checks
+
+        checks = startup_checks.tf32_checks(facts, str(info.get("dtype", "")))
+        startup_checks.report(checks)
+        metrics.gpu_checks(checks)
 
 
 def _kv_summary(info: dict, kwargs: dict) -> str:
