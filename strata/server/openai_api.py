@@ -18,16 +18,17 @@ because they cannot change the output: `user`, `metadata`, `store`, `service_tie
 message, `name` and `tool_call_id` (handed to the chat template, which may use or ignore them).
 Not implemented, so a 400 naming the field unless it has the neutral value shown (then it is
 a no-op and accepted): `best_of` (null or = n), `logit_bias` (null, {}), `suffix` (null, ""),
-`use_beam_search` (null, false), `tools` and
-`functions` (null, []), `tool_choice` and `function_call` (null, "none"), `parallel_tool_calls`,
+`use_beam_search` (null, false), the legacy `functions` (null, []) and `function_call`
+(null, "none") (use tools),
 `modalities` (null, ["text"]), `audio`, `prediction`, `reasoning_effort`, `verbosity`,
 `web_search_options`, `prompt_logprobs`, `allowed_token_ids`, `bad_words`, `logits_processors`,
 `truncate_prompt_tokens`, `chat_template`, `chat_template_kwargs` (null, {}),
 `add_generation_prompt` (null, true), `continue_final_message` (null, false) (all others: null);
-in a message, `tool_calls` (null, []), `function_call`, `audio`, `refusal` (null) and
+in a message, `function_call`, `audio`, `refusal` (null) and
 `annotations` (null, []). Chat roles: system, user, assistant, tool, and developer (rendered as
 system). Completions: `echo` with `logprobs` is refused (prompt tokens' logprobs are not computed).
-Structured output: `response_format`, `structured_outputs` and vLLM's `guided_json`,
+Tool calling: `tools`, `tool_choice`, `parallel_tool_calls`, and in messages `tool_calls` and
+`tool_call_id` (server/tool_calls.py). Structured output: `response_format`, `structured_outputs` and vLLM's `guided_json`,
 `guided_regex`, `guided_choice`, `guided_grammar` (server/structured_api.py; at most one).
 """
 
@@ -125,9 +126,6 @@ _UNSUPPORTED: dict[str, tuple[Any, str]] = {  # field: (neutral value test, what
     "logit_bias": (_is({}), "token biases"),
     "suffix": (_is(""), "text after the insertion point"),
     "use_beam_search": (_is(False), "beam search"),
-    "tools": (_is([]), "tool calling"),
-    "tool_choice": (_is("none"), "tool calling"),
-    "parallel_tool_calls": (_is(), "tool calling"),
     "functions": (_is([]), "function calling"),
     "function_call": (_is("none"), "function calling"),
     "modalities": (_is(["text"]), "non-text output"),
@@ -147,7 +145,6 @@ _UNSUPPORTED: dict[str, tuple[Any, str]] = {  # field: (neutral value test, what
     "continue_final_message": (_is(False), "continuing the final message"),
 }
 _UNSUPPORTED_IN_MESSAGE: dict[str, tuple[Any, str]] = {
-    "tool_calls": (_is([]), "tool calling"),
     "function_call": (_is(), "function calling"),
     "audio": (_is(), "audio"),
     "refusal": (_is(), "refusal messages (put the text in content)"),
@@ -251,12 +248,51 @@ class CompletionRequest(_Common):
     echo: bool | None = False
 
 
+class FunctionCall(BaseModel):
+    model_config = _STRICT
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    model_config = _STRICT
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = _STRICT
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]]
+    content: str | list[dict[str, Any]] | None = None  # null only for an assistant's tool calls
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+
+class FunctionDef(BaseModel):
+    model_config = _STRICT
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema
+    strict: bool | None = None  # calls always follow the schema when Strata enforces them
+
+
+class Tool(BaseModel):
+    model_config = _STRICT
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    model_config = _STRICT
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = _STRICT
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatRequest(_Common):
@@ -264,6 +300,9 @@ class ChatRequest(_Common):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 _UNION_RULES = {
@@ -354,8 +393,18 @@ def chat_messages(req: ChatRequest) -> list[dict[str, Any]]:
     out = []
     for i, m in enumerate(req.messages):
         d = m.model_dump(exclude_none=True)
+        if m.content is None and not (m.role == "assistant" and m.tool_calls):
+            raise RequestError(f"invalid field 'messages[{i}].content': must be a string or a list of text parts "
+                               "(null only in an assistant message with tool_calls)", param=f"messages[{i}].content")
         if m.role == "developer":
             d["role"] = "system"
+        if m.tool_calls:  # templates read the arguments as a mapping (`| tojson`), as vLLM hands them
+            for j, call in enumerate(d["tool_calls"]):
+                try:
+                    call["function"]["arguments"] = json.loads(call["function"]["arguments"])
+                except ValueError:
+                    where = f"messages[{i}].tool_calls[{j}].function.arguments"
+                    raise RequestError(f"{where} must be JSON text (an object)", param=where) from None
         if isinstance(m.content, list):
             texts = []
             for j, part in enumerate(m.content):

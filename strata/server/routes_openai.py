@@ -13,12 +13,15 @@ import time
 from fastapi import APIRouter, Request
 from pydantic import ValidationError
 
+from strata.engine import grammar
+from strata.engine.sampling_params import StructuredOutput
 from strata.errors import RequestError
 from strata.server import faults
 from strata.server.generation import ChoiceDelta, check_length
 from strata.server.generation_http import Submission, generate
 from strata.server.openai_api import (
     ChatRequest,
+    NamedToolChoice,
     CompletionRequest,
     chat_logprobs,
     chat_messages,
@@ -32,6 +35,7 @@ from strata.server.openai_api import (
 from strata.server.responses import CompletionLogprobs, chat_chunk, completion_chunk
 from strata.server.responses import chat_logprobs as format_chat_logprobs
 from strata.server.state import ServerState, server_state
+from strata.server.tool_calls import ToolCallStream, check_tools, forced_call_grammar, parse_tool_calls
 
 router = APIRouter()
 
@@ -149,12 +153,36 @@ async def prepare_chat(state: ServerState, req: ChatRequest) -> Submission:
     params.validate(0, state.info["vocab_size"])
     if any(faults.should_raise(str(m.get("content", ""))) for m in messages):
         raise _planted_fault()
-    ids, secs = await state.tokenizers.run({"kind": "chat", "messages": messages})
+    job: dict = {"kind": "chat", "messages": messages}
+    parse_format = _tools(state, req, params, job)
+    ids, secs = await state.tokenizers.run(job)
     if params.max_tokens is None:  # chat default: the rest of the context
         params.max_tokens = max(1, state.info["max_model_len"] - len(ids))
         params.validate(0, state.info["vocab_size"])  # min_tokens against it
     check_length(ids, params.max_tokens, state.info["max_model_len"])
-    return Submission([ids], params, secs, ChatShape(req, state.tokenizer))
+    return Submission([ids], params, secs, ChatShape(req, state.tokenizer, parse_format))
+
+
+def _tools(state: ServerState, req: ChatRequest, params, job: dict) -> str | None:
+    """Tools go to the chat template; a required or named call is enforced by a grammar. Returns
+    the format to parse tool calls from (None: no parsing, as with tool_choice none)."""
+    tools = [t.function.model_dump(exclude_none=True) for t in req.tools or []]
+    choice = req.tool_choice.model_dump() if isinstance(req.tool_choice, NamedToolChoice) else req.tool_choice
+    template = state.tokenizer.chat_template if state.tokenizer is not None else None
+    fmt, forced = check_tools(tools, choice, template)
+    if not tools:
+        return None
+    for i, t in enumerate(tools):  # a schema the grammar engine refuses is a 400 whatever tool_choice says
+        if "parameters" in t:
+            grammar.check(StructuredOutput(json=t["parameters"]), f"tools[{i}].function.parameters")
+    job["tools"] = [{"type": "function", "function": t} for t in tools]
+    if forced:
+        if params.structured is not None:
+            raise RequestError("tool_choice forces a tool call and response_format (or a guided field) constrains the "
+                               "output too; give one", param="tool_choice")
+        params.structured = forced_call_grammar(fmt, forced, req.parallel_tool_calls is not False)
+        grammar.check(params.structured, "tool_choice")
+    return None if choice == "none" else fmt
 
 
 # --- response shapes -----------------------------------------------------------------------------
@@ -206,11 +234,13 @@ class ChatShape:
     id_prefix = "chatcmpl-"
     object_name = "chat.completion"
 
-    def __init__(self, req: ChatRequest, tokenizer) -> None:
-        self.req, self.tok = req, tokenizer
+    def __init__(self, req: ChatRequest, tokenizer, tool_format: str | None = None) -> None:
+        """tool_format: parse the model's tool calls in this format (server/tool_calls.py)."""
+        self.req, self.tok, self.tool_format = req, tokenizer, tool_format
         self.num_top = req.top_logprobs or 0
         self.content: dict[int, list[dict]] = {}
         self.started: set[int] = set()
+        self.tool_streams: dict[int, ToolCallStream] = {}
 
     def chunk(self, rid, model, created, choices, usage_=None):
         return chat_chunk(rid, model, created, choices, usage_)
@@ -223,10 +253,18 @@ class ChatShape:
         if d.index not in self.started:
             delta["role"] = "assistant"
             self.started.add(d.index)
-        if d.text or "role" in delta:
-            delta["content"] = d.text
+        text, finish = d.text, d.finish_reason
+        if self.tool_format is not None:
+            stream = self.tool_streams.setdefault(d.index, ToolCallStream(self.tool_format))
+            text, calls = stream.feed(d.text, final=finish is not None)
+            if calls:
+                delta["tool_calls"] = calls
+            if finish == "stop" and stream.num_calls:
+                finish = "tool_calls"
+        if text or "role" in delta:
+            delta["content"] = text
         lp = {"content": self._logprobs(d)} if d.logprobs is not None and self.req.logprobs else None
-        return {"index": d.index, "delta": delta, "logprobs": lp, "finish_reason": d.finish_reason}
+        return {"index": d.index, "delta": delta, "logprobs": lp, "finish_reason": finish}
 
     def keep_logprobs(self, d: ChoiceDelta) -> None:
         if d.logprobs is not None:
@@ -234,5 +272,10 @@ class ChatShape:
 
     def choice(self, index: int, text: str, finish_reason: str | None) -> dict:
         lp = {"content": self.content.get(index, [])} if self.req.logprobs else None
-        return {"index": index, "message": {"role": "assistant", "content": text},
-                "logprobs": lp, "finish_reason": finish_reason}
+        message: dict = {"role": "assistant", "content": text}
+        if self.tool_format is not None:
+            content, calls = parse_tool_calls(text, self.tool_format)
+            if calls:
+                message = {"role": "assistant", "content": content, "tool_calls": calls}
+                finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+        return {"index": index, "message": message, "logprobs": lp, "finish_reason": finish_reason}

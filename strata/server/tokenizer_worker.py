@@ -30,7 +30,7 @@ def tokenize(tokenizer, job: dict) -> list[int]:
     if delay:
         time.sleep(delay)
     if job["kind"] == "chat":
-        text = tokenizer.apply_chat_template(job["messages"], add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(job["messages"], add_generation_prompt=True, tools=job.get("tools"))
         return tokenizer.encode(text, add_special_tokens=False)
     return tokenizer.encode(job["text"], add_special_tokens=job.get("add_special_tokens", True))
 
