@@ -1,6 +1,7 @@
 """The HTTP face: the FastAPI app factory and the Guard middleware in front of every route.
 
-The routes live in routes_ops (health, readiness, metrics) and routes_openai (the OpenAI API).
+The routes live in routes_ops (health, readiness, metrics), routes_openai (the OpenAI API) and
+routes_tokenize (/tokenize, /detokenize, /version).
 The event loop only parses, validates, routes and formats: tokenisation goes to the worker pool,
 the model runs in the engine process. Every failure is an OpenAI-style error body for that
 request alone.
@@ -19,7 +20,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from strata.errors import RequestError
-from strata.server import routes_openai, routes_ops
+from strata.server import routes_openai, routes_ops, routes_tokenize
 from strata.server.openai_api import error_response, validation_message
 from strata.server.routes_openai import BodyTooLarge
 from strata.server.state import ServerOptions, ServerState
@@ -163,4 +164,5 @@ def build_app(state: ServerState) -> FastAPI:
 
     app.include_router(routes_ops.router)
     app.include_router(routes_openai.router)
+    app.include_router(routes_tokenize.router)
     return app
