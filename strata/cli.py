@@ -5,13 +5,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import logging
 import sys
 import time
 from pathlib import Path
 
+from strata import cli_options
 from strata.engine.args import EngineArgs
 from strata.errors import StrataError
+from strata.logs import setup_logging
 
 GENERATE_EXAMPLES = """examples:
   strata generate --prompt "Once upon a time"            # demo model, streams to the terminal
@@ -24,19 +25,24 @@ GENERATE_EXAMPLES = """examples:
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--min-tokens", type=int, default=0)
+    g.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate per completion")
+    g.add_argument("--min-tokens", type=int, default=0, help="tokens to generate before EOS or a stop may end it")
     g.add_argument("--temperature", type=float, default=None,
                    help="0 = greedy (default: generation_config.json's, else greedy)")
     g.add_argument("--top-p", type=float, default=None, help="(default: generation_config.json's, else 1)")
     g.add_argument("--top-k", type=int, default=None, help="-1 = off (default: generation_config.json's)")
-    g.add_argument("--min-p", type=float, default=None)
-    g.add_argument("--repetition-penalty", type=float, default=None)
-    g.add_argument("--presence-penalty", type=float, default=0.0)
-    g.add_argument("--frequency-penalty", type=float, default=0.0)
-    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--min-p", type=float, default=None,
+                   help="drop tokens below this share of the top token's probability (default: "
+                   "generation_config.json's, else off)")
+    g.add_argument("--repetition-penalty", type=float, default=None,
+                   help="> 1 discourages repeating prompt and output tokens (default: generation_config.json's, "
+                   "else 1)")
+    g.add_argument("--presence-penalty", type=float, default=0.0, help="subtracted from tokens already generated")
+    g.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="subtracted per occurrence of a token already generated")
+    g.add_argument("--seed", type=int, default=None, help="sampling seed (default: none, a fresh one per request)")
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     g.add_argument("-n", type=int, default=1, help="completions per prompt")
 
 
@@ -168,8 +174,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="strata", description="Strata: an LLM runtime that knows why it is fast or slow")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO (memory plan, load time)")
+    parser = cli_options.StrataParser(prog="strata", description="Strata: an LLM runtime that knows why it is fast "
+                                      "or slow")
+    cli_options.add_logging_flags(parser, top=True)
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser(
         "generate", help="generate text", epilog=GENERATE_EXAMPLES,
@@ -211,6 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
     from strata.deploy import cli as deploy_cli  # `strata deploy render`
 
     deploy_cli.register(sub)
+    for leaf in cli_options.walk_leaves(parser):  # `strata generate -v` as well as `strata -v generate`
+        cli_options.add_logging_flags(leaf, default_level="info" if leaf is sv else "warning")
     return parser
 
 
@@ -242,9 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         argv = list(sys.argv[1:] if argv is None else argv)
         args = build_parser().parse_args(argv)
         args.raw_argv = argv  # a command that re-launches itself (strata train's local ranks) needs it
-        logging.basicConfig(
-            level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
-        )
+        setup_logging(cli_options.log_level(args, default="info" if args.command == "serve" else "warning"))
         worker = _torchrun_worker(args)
         if worker is not None:
             return worker

@@ -84,6 +84,9 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # ranks sharing the model (torch.distributed; engine/parallel.py)
     comm_dtype: str | None = None  # None | bfloat16 | float16: compressed tensor-parallel all-reduce
     comm_timeout: float = 60.0  # seconds any collective may take before a rank counts as dead
+    chat_template: str | None = None  # a Jinja template, or a file holding one; None = the checkpoint's
+    # sampling defaults: auto = the model's generation_config.json, vllm = none (vLLM's name), or a directory
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"):
@@ -173,6 +176,11 @@ class EngineConfig:
         if not isinstance(self.comm_timeout, int | float) or isinstance(self.comm_timeout, bool) \
                 or not self.comm_timeout > 0:
             raise ConfigError(f"comm_timeout: must be a positive number of seconds, got {self.comm_timeout!r}")
+        if self.generation_config not in ("auto", "vllm") and not Path(self.generation_config).is_dir():
+            raise ConfigError(
+                f"generation_config: {self.generation_config!r} is neither 'auto' (the model's "
+                "generation_config.json), 'vllm' (ignore it) nor a directory holding a generation_config.json"
+            )
         if self.fuse is None:
             self.fuse = False
 

@@ -33,10 +33,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "`strata serve` with these flags and drive it with `strata bench serve` (default offline)")
     g.add_argument("--request-rate", default="inf", help="serve: requests/s or inf (default inf)")
     g.add_argument("--tokenizer-workers", type=int, default=None, help="serve: passed to strata serve")
-    g.add_argument("--num-prompts", type=int, default=16)
+    g.add_argument("--num-prompts", type=int, default=16, help="requests in the workload")
     g.add_argument("--input-len", default="128", help="prompt tokens, N or A:B (default 128)")
     g.add_argument("--output-len", default="64", help="output tokens, N or A:B (default 64)")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0, help="seed for lengths and token ids")
     p.add_argument("--html", default=None, help="also write a self-contained HTML report here")
     p.set_defaults(func=cmd_analyze)
 

@@ -32,13 +32,15 @@ def _free_port() -> int:
 
 def scrape(url: str) -> dict[str, float]:
     """The server's stage and step-phase counters."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     out: dict[str, float] = {}
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        for prefix, key in (('strata_request_stage_seconds_total{stage="', "stage:"),
-                            ('strata_engine_step_seconds_total{phase="', "phase:")):
-            if line.startswith(prefix):
-                name = line[len(prefix):].split('"', 1)[0]
-                out[key + name] = float(line.rsplit(" ", 1)[1])
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
+        for sample in family.samples:  # labels in any order (model_name rides along on every series)
+            if sample.name == "strata_request_stage_seconds_total" and "stage" in sample.labels:
+                out["stage:" + sample.labels["stage"]] = sample.value
+            elif sample.name == "strata_engine_step_seconds_total" and "phase" in sample.labels:
+                out["phase:" + sample.labels["phase"]] = sample.value
     return out
 
 

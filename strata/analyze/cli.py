@@ -111,7 +111,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quantization", default=None, choices=["int8", "int4", "bf16"],
                    help="weight-only int8 / int4, or bf16 weights with fp32 compute (CPU)")
     p.add_argument("--quantization-group-size", type=int, default=engine_default("quantization_group_size"),
-                   choices=[32, 64, 128])
+                   choices=[32, 64, 128], help="int4: input columns sharing one scale")
     p.add_argument("--max-model-len", type=int, default=None, help="L (default: the model's max positions)")
     p.add_argument("--batch", type=int, default=64, help="largest decode batch B (default 64)")
     p.add_argument("--input-len", type=int, default=None, help="prefill prompt tokens (default L)")
@@ -120,9 +120,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--memory-fraction", type=float, default=engine_default("memory_fraction"),
                    help="this: share of free memory for KV when --kv-cache-memory is unset "
                    f"(engine default {engine_default('memory_fraction'):g})")
-    p.add_argument("--max-num-seqs", type=int, default=engine_default("max_num_seqs"))
-    p.add_argument("--block-size", type=int, default=engine_default("block_size"))
-    p.add_argument("--max-num-batched-tokens", type=int, default=engine_default("max_num_batched_tokens"))
+    p.add_argument("--max-num-seqs", type=int, default=engine_default("max_num_seqs"), help="as the engine flag")
+    p.add_argument("--block-size", type=int, default=engine_default("block_size"), help="as the engine flag")
+    p.add_argument("--max-num-batched-tokens", type=int, default=engine_default("max_num_batched_tokens"),
+                   help="as the engine flag")
     p.add_argument("--price-per-hour", type=float, default=None, help="for all N devices, e.g. 24.0")
     p.add_argument("--alpha-us", type=float, default=None,
                    help="all-reduce per-message latency (default 5 us NVLink/IF, 10 us PCIe: an assumption)")

@@ -47,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", action="append", default=None,
                    help="random shape (smol-135m, qwen-0.5b, tiny) or HF directory; repeatable "
                         "(default: smol-135m and qwen-0.5b)")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default="float32", help="dtype of both runs")
     p.add_argument("--quantization", default=None, choices=["bf16", "int8", "int4"],
                    help="the weight path to check (default: the dtype's own weights)")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the pairs as JSON")

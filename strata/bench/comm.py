@@ -45,7 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"LO:HI (geometric by --factor) or a comma list, e.g. 8B:1MiB (default {DEFAULT_SIZES})")
     p.add_argument("--full", action="store_true", help=f"sizes {FULL_SIZES}")
     p.add_argument("--factor", type=int, default=2, help="size step of LO:HI (default 2)")
-    p.add_argument("--collectives", default="all_reduce,all_gather,broadcast")
+    p.add_argument("--collectives", default="all_reduce,all_gather,broadcast", help="comma-separated collectives to time")
     p.add_argument("--compress", default="bfloat16,float16",
                    help="comm dtypes of the compressed all-reduce ('none' to skip)")
     p.add_argument("--budget-s", type=float, default=0.15, help="time per point (default 0.15 s)")

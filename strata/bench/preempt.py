@@ -39,13 +39,13 @@ HELP = "oversubscribed KV cache: recompute vs swap preemption, outputs checked a
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
     g = p.add_argument_group("workload")
-    g.add_argument("--num-prompts", type=int, default=16)
+    g.add_argument("--num-prompts", type=int, default=16, help="requests in the workload")
     g.add_argument("--input-len", default="256:512", help="prompt tokens, N or LO:HI (default 256:512)")
     g.add_argument("--output-len", default="128", help="output tokens, N or LO:HI (default 128)")
     g.add_argument("--kv-fraction", type=float, default=0.25,
                    help="KV cache size as a fraction of the workload's peak KV (default 0.25)")
     g.add_argument("--modes", default="recompute,swap", help="comma-separated preemption modes to run")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0, help="seed for lengths and token ids")
 
 
 def _run(model, kwargs: dict, prompts, params) -> tuple[dict, list[list[int]], object]:

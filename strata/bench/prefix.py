@@ -52,7 +52,7 @@ _RATIOS = ("ttft_mean_s", "ttft_p50_s", "ttft_p90_s", "elapsed_s")
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
     g = p.add_argument_group("workload")
-    g.add_argument("--num-prompts", type=int, default=64)
+    g.add_argument("--num-prompts", type=int, default=64, help="requests sharing the prefix")
     g.add_argument("--prefix-len", type=int, default=1024, help="shared system-prompt tokens (default 1024)")
     g.add_argument("--suffix-len", default="32:128",
                    help="per-request suffix tokens, N or LO:HI uniform (default 32:128)")

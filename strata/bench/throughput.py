@@ -44,7 +44,7 @@ HELP = "offline throughput on random-token requests (optionally vs transformers)
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
     g = p.add_argument_group("workload")
-    g.add_argument("--num-prompts", type=int, default=64)
+    g.add_argument("--num-prompts", type=int, default=64, help="requests in the workload")
     g.add_argument("--input-len", default="32:512", help="prompt tokens, N or LO:HI uniform (default 32:512)")
     g.add_argument("--output-len", default="32:256", help="output tokens, N or LO:HI uniform (default 32:256)")
     g.add_argument("--seed", type=int, default=0, help="seed for lengths and token ids")

@@ -63,7 +63,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workload")
     g.add_argument("--model", default="smol-135m",
                    help="a named size (demo, tiny, smol-135m, qwen-0.5b), a config.json or an HF directory")
-    g.add_argument("--seq-len", type=int, default=1024)
+    g.add_argument("--seq-len", type=int, default=1024, help="tokens per training sequence")
     g.add_argument("--batch", type=int, default=8, help="micro batch: sequences per step (default 8)")
     g.add_argument("--steps", type=int, default=10, help="timed steps per run (default 10)")
     g.add_argument("--warmup", type=int, default=2, help="untimed steps before them (default 2)")

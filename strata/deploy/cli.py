@@ -80,9 +80,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-o", "--output", required=True, metavar="DIR", help="where values.yaml, plan.json, manifests/ go")
     p.add_argument("--explain", action="store_true", help="print why each tensor-parallel degree was taken or not")
     g = p.add_argument_group("plan")
-    g.add_argument("--replicas", type=int, default=1)
+    g.add_argument("--replicas", type=int, default=1, help="server pods (each with its engine)")
     g.add_argument("--max-model-len", type=int, default=None, help="L (default: the model's max positions)")
-    g.add_argument("--quantization", default=None, choices=["int8", "int4", "bf16"])
+    g.add_argument("--quantization", default=None, choices=["int8", "int4", "bf16"],
+                   help="weight-only quantisation, as the engine flag")
     g.add_argument("--dtype", default=engine_default("dtype"), help="auto (the checkpoint's on GPUs) | float32 | "
                    "bfloat16 | float16; the resolved dtype is passed to the server")
     g.add_argument("--concurrency", type=int, default=16,
@@ -96,12 +97,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     c = p.add_argument_group("chart")
     c.add_argument("--chart", default=None, help="chart directory (default: this checkout's deploy/helm/strata)")
     c.add_argument("--release", default="strata", help="Helm release name (default strata)")
-    c.add_argument("--namespace", default="default")
+    c.add_argument("--namespace", default="default", help="Kubernetes namespace of the release")
     c.add_argument("--image", default=None, help="REPOSITORY:TAG (default strata:0.1.0-cuda or strata:0.1.0-cpu)")
     c.add_argument("--model-volume", default="pvc:strata-models", help="pvc:CLAIM or hostPath:/DIR, mounted read-only")
     c.add_argument("--model-path", default=None, help="the model directory inside the container "
                    "(default /models/<model dir name>)")
-    c.add_argument("--served-model-name", default=None)
+    c.add_argument("--served-model-name", default=None, help="model id clients use (default: the model's name)")
     c.add_argument("--autoscaling", default="off", choices=["off", "keda", "hpa"],
                    help="scale on waiting requests: KEDA ScaledObject or HPA on a custom metric (default off)")
     c.add_argument("--max-replicas", type=int, default=4, help="autoscaling ceiling (default 4)")

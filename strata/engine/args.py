@@ -80,6 +80,10 @@ FLAGS: tuple[_Flag, ...] = (
     _Flag("comm_dtype", "compress the tensor-parallel all-reduce to this dtype", choices=("bfloat16", "float16"),
           default_text="the activations' dtype"),
     _Flag("comm_timeout", "seconds a collective may take before a rank counts as dead", type=float),
+    _Flag("chat_template", "FILE|STRING: a Jinja chat template (a file, or the template text) that replaces "
+          "the checkpoint's", default_text="the checkpoint's tokenizer_config.json / chat_template.jinja"),
+    _Flag("generation_config", "sampling defaults: auto = the model's generation_config.json, vllm = none "
+          "(vLLM's name; requests and flags alone decide), or a directory holding a generation_config.json"),
 )
 _BY_FIELD = {f.field: f for f in FLAGS}
 

@@ -79,8 +79,11 @@ def _generation_defaults(gen: dict) -> dict:
     return out
 
 
-def open_checkpoint(model: str | None) -> Checkpoint:
-    """An HF model directory (None: the built-in demo model): config, tokenizer, EOS, defaults."""
+def open_checkpoint(model: str | None, generation_config: str = "auto", chat_template: str | None = None) -> Checkpoint:
+    """An HF model directory (None: the built-in demo model): config, tokenizer, EOS, defaults.
+
+    generation_config: where the sampling defaults come from (EngineConfig.generation_config; the
+    EOS ids always come from the model's own file); chat_template overrides the checkpoint's."""
     if model is None:
         from strata.demo.model import demo_model_path
 
@@ -92,16 +95,33 @@ def open_checkpoint(model: str | None) -> Checkpoint:
     if (path / "tokenizer.json").is_file():
         from strata.engine.tokenizer import Tokenizer
 
-        tokenizer = Tokenizer.from_dir(path)
+        tokenizer = Tokenizer.from_dir(path, chat_template=chat_template)
     else:
         logger.info("%s has no tokenizer.json: only token-id prompts will work", path)
     gen = _read_json(path / "generation_config.json")
+    defaults = sampling_defaults(path, gen, generation_config)
     eos = gen.get("eos_token_id")
     ids = [] if eos is None else (list(eos) if isinstance(eos, list) else [eos])
     ids += cfg.eos_token_ids
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.append(tokenizer.eos_token_id)
-    return Checkpoint(path, cfg, tokenizer, sorted({int(i) for i in ids}), _generation_defaults(gen))
+    return Checkpoint(path, cfg, tokenizer, sorted({int(i) for i in ids}), defaults)
+
+
+def sampling_defaults(model_dir: Path, gen: dict, source: str) -> dict:
+    """--generation-config: auto = the model's file, vllm = none, else DIR/generation_config.json."""
+    if source == "vllm":
+        return {}
+    if source != "auto":
+        file = Path(source) / "generation_config.json"
+        if not file.is_file():
+            raise ModelLoadError(f"--generation-config {source}: no generation_config.json in that directory")
+        gen = _read_json(file)
+    found = _generation_defaults(gen)
+    if found:
+        logger.info("sampling defaults from %s: %s (--generation-config vllm ignores them)",
+                    model_dir / "generation_config.json" if source == "auto" else source, found)
+    return found
 
 
 def resolve_dtype(name: str, device: str, checkpoint_dtype: torch.dtype) -> torch.dtype:
@@ -357,7 +377,7 @@ def shard(model, ranks, comm):
 def build_engine(config: EngineConfig, detokenize: bool = True) -> EngineParts:
     """detokenize=False: sequences carry token ids only; text and stop strings are the caller's."""
     import_apart("torch._dynamo")
-    ckpt = open_checkpoint(config.model)
+    ckpt = open_checkpoint(config.model, config.generation_config, config.chat_template)
     ranks = comm = control = None
     if config.tensor_parallel_size > 1:
         from strata.comm.collectives import Communicator

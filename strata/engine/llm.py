@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 
 from strata.config import EngineConfig
 from strata.engine.llm_engine import LLMEngine
+from strata.engine.llm_kwargs import engine_kwargs
 from strata.engine.request import RequestOutput
 from strata.engine.sampling_params import SamplingParams
 from strata.errors import RequestError
@@ -23,7 +24,8 @@ class LLM:
     """Load a model once; generate for batches of prompts with continuous batching."""
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
-        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        """kwargs: EngineConfig's fields, and vLLM's names for them (engine/llm_kwargs.py)."""
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_kwargs(model, kwargs)))
         self._counter = 0
 
     def close(self) -> None:

@@ -102,6 +102,22 @@ def _compile_template(source: str) -> jinja2.Template:
     return env.from_string(source)
 
 
+def load_chat_template(value: str) -> str:
+    """`--chat-template FILE|STRING` (vLLM's rule): a readable file's text, else the string itself
+    if it looks like a Jinja template; anything else is refused (a mistyped path must not become a
+    one-line template)."""
+    path = Path(value).expanduser()
+    try:
+        if path.is_file():
+            return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"--chat-template {value}: cannot read ({exc})") from None
+    if any(c in value for c in "{}\n"):
+        return value
+    raise ConfigError(f"--chat-template {value!r}: no such file, and not a Jinja template (no {{ }} in it); "
+                      "give a template file or the template text")
+
+
 class Tokenizer:
     """A fast tokenizer with the special tokens and chat template of its checkpoint."""
 
@@ -133,8 +149,11 @@ class Tokenizer:
         self._byte_ids = self._find_byte_fallback_ids(backend)
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> Tokenizer:
-        """Load tokenizer.json and (if present) tokenizer_config.json from a checkpoint directory."""
+    def from_dir(cls, path: str | Path, chat_template: str | None = None) -> Tokenizer:
+        """Load tokenizer.json and (if present) tokenizer_config.json from a checkpoint directory.
+
+        chat_template (`--chat-template FILE|STRING`) replaces the checkpoint's template; it is
+        compiled here, so a broken one stops start-up instead of failing every chat request."""
         path = Path(path)
         tok_file = path / "tokenizer.json"
         if not tok_file.is_file():
@@ -152,6 +171,12 @@ class Tokenizer:
         jinja_file = path / "chat_template.jinja"  # newer checkpoints keep the template here
         if jinja_file.is_file():
             template = jinja_file.read_text(encoding="utf-8")
+        if chat_template is not None:
+            template = load_chat_template(chat_template)
+            try:
+                _compile_template(template)
+            except jinja2.TemplateSyntaxError as exc:
+                raise ConfigError(f"--chat-template: the template does not compile: {exc}") from None
         return cls(
             backend,
             bos_token=_token_content(cfg.get("bos_token"), "bos_token", cfg_file),

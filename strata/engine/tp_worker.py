@@ -18,6 +18,7 @@ from strata.config import EngineConfig
 from strata.engine.parallel import STOP, decode_step
 from strata.errors import StrataError
 from strata.hardware import processes
+from strata.logs import setup_logging
 
 logger = logging.getLogger("strata.engine.tp_worker")
 
@@ -52,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m strata.engine.tp_worker")
     ap.add_argument("--config", required=True, help="EngineConfig fields as JSON")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    setup_logging("warning")
     try:
         code = run_worker(EngineConfig(**json.loads(args.config)))
     except StrataError as e:  # rank 0 reports the same problem; one line here

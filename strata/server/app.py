@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import hmac
 import logging
+import re
+import time
 import uuid
 
 from fastapi import FastAPI, Request
@@ -28,10 +30,19 @@ from strata.server.state import ServerOptions, ServerState
 __all__ = ["Guard", "ServerOptions", "ServerState", "build_app"]
 
 logger = logging.getLogger("strata.server")
+access_log = logging.getLogger("strata.access")  # one line per request; --disable-log-requests turns it off
 
 OPEN_PATHS = ("/health", "/ready")  # answered without an API key
 ROUTES = "/v1/models, /v1/completions, /v1/chat/completions, /health, /ready, /metrics"
 CLIENT_CLOSED = 499  # nginx's status for a request whose client went away (counted in /metrics)
+
+
+REQUEST_ID = re.compile(r"[!-~]{1,256}")  # a client's X-Request-Id: visible ASCII, no spaces (log-safe)
+
+
+def request_id(scope) -> str:
+    """The request's id: the client's X-Request-Id when it sent one (Guard checked it), else a fresh one."""
+    return scope.setdefault("state", {}).setdefault("request_id", uuid.uuid4().hex)
 
 
 KNOWN_PATHS = frozenset(("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/ready", "/metrics"))
@@ -46,7 +57,7 @@ def metric_endpoint(path: str) -> str:
 
 def internal_error(scope, exc: BaseException) -> JSONResponse:
     """A 500 that says nothing of the failure but its request id; the traceback goes to the log."""
-    rid = "req-" + uuid.uuid4().hex
+    rid = request_id(scope)
     logger.error("request %s (%s %s) failed", rid, scope.get("method"), scope.get("path"), exc_info=exc)
     return error_response(500, f"internal server error (request id {rid}; the details are in the server log)",
                           code="internal_error", headers={"X-Request-Id": rid})
@@ -68,9 +79,12 @@ class Guard:
         self.app = app
         self.state = state
 
-    def _refuse(self, scope) -> JSONResponse | None:
+    def _refuse(self, scope, headers: dict[str, str]) -> JSONResponse | None:
         opts, path = self.state.options, scope["path"]
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        given_id = headers.get("x-request-id")
+        if given_id is not None and not REQUEST_ID.fullmatch(given_id):
+            return error_response(400, "X-Request-Id must be 1 to 256 visible ASCII characters without spaces",
+                                  param="X-Request-Id", code="invalid_request_id")
         if opts.api_key and path not in OPEN_PATHS:
             given = headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {opts.api_key}".encode()):
@@ -91,10 +105,21 @@ class Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         status = [500]
+        t0 = time.perf_counter()
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        given_id = headers.get("x-request-id")
+        state = scope.setdefault("state", {})
+        if given_id is not None and REQUEST_ID.fullmatch(given_id):
+            state["request_id"] = given_id  # honoured: the response ids are built on it (as vLLM does)
+        rid = request_id(scope)
 
         async def send_status(message) -> None:
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
+                names = {k.lower() for k, _ in message.get("headers", [])}
+                if b"x-request-id" not in names:  # echoed (or minted) on every response
+                    message = {**message, "headers": [*message.get("headers", []),
+                                                      (b"x-request-id", rid.encode("latin-1"))]}
             await send(message)
 
         path = scope["path"]
@@ -107,7 +132,7 @@ class Guard:
             await send_status(message)
 
         try:
-            refusal = self._refuse(scope)
+            refusal = self._refuse(scope, headers)
             if refusal is not None:
                 await refusal(scope, receive, send_tracked)
             else:
@@ -118,6 +143,18 @@ class Guard:
             await internal_error(scope, exc)(scope, receive, send_status)
         finally:
             self.state.metrics.requests.labels(endpoint, str(status[0])).inc()
+            if self.state.options.log_requests:
+                self._log(scope, status[0], time.perf_counter() - t0, rid)
+
+    @staticmethod
+    def _log(scope, status: int, seconds: float, rid: str) -> None:
+        """`POST /v1/completions 200 812.3ms in=12 out=32 id=...` (tokens of generation requests only)."""
+        gen = scope.get("state", {}).get("generation")
+        tokens = f" in={gen.num_prompt_tokens} out={gen.num_output_tokens}" if gen is not None else ""
+        client = scope.get("client")
+        peer = f"{client[0]}:{client[1]} " if client else ""
+        access_log.info("%s%s %s %d %.1fms%s id=%s", peer, scope["method"], scope["path"], status,
+                        seconds * 1000, tokens, rid)
 
 
 def build_app(state: ServerState) -> FastAPI:

@@ -20,6 +20,7 @@ import traceback
 import zmq
 
 from strata.engine.parallel import RankDied
+from strata.logs import setup_logging
 from strata.server import faults, procs
 from strata.server.protocol import decode, encode, params_from_dict
 
@@ -163,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     procs.die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides when to stop (drain)
-    logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    setup_logging(args.log_level)
     if faults.engine_should_exit(args.start_number):
         logger.warning("planted fault: engine start %d exits before loading (STRATA_TEST_FAULTS)", args.start_number)
         return 3
@@ -190,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = engine.model_config
     info = {
         "model_path": str(engine.model_path), "architecture": cfg.architecture, "dtype": str(engine.dtype),
+        "quantization": engine.config.quantization,  # bf16 here when dtype auto chose bf16 weights
         "max_model_len": engine.max_model_len, "vocab_size": cfg.vocab_size,
         "eos_token_ids": engine.eos_token_ids, "generation_defaults": engine.generation_defaults,
         "num_blocks": engine.plan.num_blocks, "block_size": engine.config.block_size,

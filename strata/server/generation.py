@@ -60,9 +60,10 @@ class Generation:
     first_token_time: float | None = None
     choices: dict[tuple[int, int], _Choice] = field(default_factory=dict)  # (prompt, seq index)
     detokenize_seconds: float = 0.0
+    engine_suffix: str = ""  # keeps engine ids unique when clients reuse an X-Request-Id
 
     def engine_id(self, p: int) -> str:
-        return f"{self.request_id}-{p}"
+        return f"{self.request_id}{self.engine_suffix}-{p}"
 
     @property
     def num_prompt_tokens(self) -> int:

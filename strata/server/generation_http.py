@@ -66,9 +66,10 @@ class Submission:
 
 
 def check_model(opts: ServerOptions, name: str | None) -> JSONResponse | None:
-    if name is not None and name != opts.served_model_name:
-        return error_response(404, f"model {name!r} does not exist; this server serves "
-                              f"{opts.served_model_name!r} (GET /v1/models)", param="model", code="model_not_found")
+    if name is not None and name not in opts.model_names:
+        served = " or ".join(map(repr, opts.model_names))
+        return error_response(404, f"model {name!r} does not exist; this server serves {served} (GET /v1/models)",
+                              param="model", code="model_not_found")
     return None
 
 
@@ -94,7 +95,7 @@ async def generate(request: Request, state: ServerState, req, prepare: Callable[
         return busy
     try:
         sub = await prepare()
-        gen = new_generation(state, sub)
+        gen = new_generation(state, sub, request)
     except BaseException:
         state.waiting -= 1
         raise
@@ -104,9 +105,15 @@ async def generate(request: Request, state: ServerState, req, prepare: Callable[
     return await until_disconnect(request, state, collect_json(state, gen, req, sub.shape))
 
 
-def new_generation(state: ServerState, sub: Submission) -> Generation:
-    rid = sub.shape.id_prefix + uuid.uuid4().hex
-    gen = Generation(state, rid, sub.prompts, sub.params, arrival=time.time(), tokenize_seconds=sub.tokenize_seconds)
+def new_generation(state: ServerState, sub: Submission, request: Request | None = None) -> Generation:
+    """The response id is the endpoint's prefix + the request id (the client's X-Request-Id when sent,
+    as vLLM builds it); the engine's ids get a suffix of their own, since two clients may send the same."""
+    given = request.scope.get("state", {}).get("request_id") if request is not None else None
+    rid = sub.shape.id_prefix + (given or uuid.uuid4().hex)
+    gen = Generation(state, rid, sub.prompts, sub.params, arrival=time.time(), tokenize_seconds=sub.tokenize_seconds,
+                     engine_suffix="-" + uuid.uuid4().hex[:8] if given else "")
+    if request is not None:
+        request.scope["state"]["generation"] = gen  # the access log line reads its token counts
     state.metrics.stage.labels("tokenize").inc(sub.tokenize_seconds)
     state.metrics.prompt_tokens.inc(gen.num_prompt_tokens)
     return gen

@@ -44,8 +44,10 @@ SERVE_EXAMPLES = """examples:
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
-    g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--served-model-name", default=None, help="model id clients use (default: the model dir's name)")
+    g.add_argument("--port", type=int, default=8000, help="TCP port to listen on (0 = any free port)")
+    g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="model ids clients may use, as vLLM takes them: the first is the one responses carry "
+                   "(default: the model dir's name)")
     g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set STRATA_API_KEY)")
     g.add_argument("--tokenizer-workers", type=int, default=None,
                    help="tokenizer processes; 0 = tokenise in the event loop (default: from spare cores, >= 1)")
@@ -55,6 +57,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM/SIGINT (default: 30)")
     g.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for the model to load")
+    g.add_argument("--disable-log-requests", action="store_true",
+                   help="no access log line per request (method, path, status, latency, tokens, request id)")
 
 
 GIVE_UP_GRACE = 1.0  # seconds /health answers 503 after the server gave up, before it exits
@@ -90,7 +94,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     kwargs = {"model": model, **engine_args.config_kwargs()}
     EngineConfig(**kwargs)  # validate every flag here, before starting any process
     opts = ServerOptions(
-        served_model_name=args.served_model_name or "", api_key=args.api_key or os.environ.get("STRATA_API_KEY") or None,
+        served_model_name=(args.served_model_name or [""])[0], aliases=tuple(args.served_model_name or ())[1:],
+        log_requests=not args.disable_log_requests,
+        api_key=args.api_key or os.environ.get("STRATA_API_KEY") or None,
         max_request_bytes=args.max_request_bytes, max_queue=args.max_queue, drain_timeout=args.drain_timeout,
         tokenizer_workers=args.tokenizer_workers, startup_timeout=args.startup_timeout,
     )
@@ -164,12 +170,14 @@ async def _serve(args, kwargs: dict, model_path: str, opts: ServerOptions, layou
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
-    state = ServerState(options=opts, metrics=Metrics())
-    state.tokenizer = Tokenizer.from_dir(model_path)
+    state = ServerState(options=opts, metrics=Metrics(opts.served_model_name))
+    state.tokenizer = Tokenizer.from_dir(model_path, chat_template=kwargs.get("chat_template"))
     app = build_app(state)
     routes_ops.install(app, state)
     gpus = gpu_device_checks(kwargs, state.metrics)  # before the engine starts: kernel image, PCIe link
-    server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+    # log_config=None: uvicorn's lines go through our handler (timestamps, levels); its access log is
+    # off because app.Guard writes one line per request with tokens and the request id
+    server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", log_config=None,
                                     access_log=False, lifespan="off", timeout_keep_alive=5))
     http = asyncio.create_task(_http(server, sock, args.host, args.port))  # /health answers while loading
     watchers: list[asyncio.Task] = []
@@ -182,7 +190,8 @@ async def _serve(args, kwargs: dict, model_path: str, opts: ServerOptions, layou
         state.engine.on_stats = state.metrics.on_engine_stats
         state.engine.on_done = state.metrics.on_engine_done
         if layout.tokenizer_workers > 0:
-            state.tokenizers = TokenizerPool(model_path, layout.tokenizer_workers, ipc, layout.tokenizer_cpus)
+            state.tokenizers = TokenizerPool(model_path, layout.tokenizer_workers, ipc, layout.tokenizer_cpus,
+                                             chat_template=kwargs.get("chat_template"))
         else:
             state.tokenizers = InLoopTokenizer(state.tokenizer)
         starts = [asyncio.create_task(state.engine.start(opts.startup_timeout)),
@@ -200,9 +209,9 @@ async def _serve(args, kwargs: dict, model_path: str, opts: ServerOptions, layou
         gpu_tf32_checks(gpus, state.info, state.metrics)
         state.ready = True
         port = sock.getsockname()[1] if sock is not None else args.port  # the real one for --port 0
-        logger.warning("serving %s as %r on http://%s:%d (ready in %.1fs; %s; %s)", model_path,
-                       opts.served_model_name, args.host, port, time.perf_counter() - t0, layout.describe(),
-                       _kv_summary(state.info, kwargs))
+        for line in startup_summary(state.info, kwargs, opts, layout, model_path):
+            logger.info("%s", line)
+        logger.info("serving on http://%s:%d (ready in %.1fs)", args.host, port, time.perf_counter() - t0)
         watchers.append(asyncio.create_task(state.engine.supervise(opts.startup_timeout)))
         if isinstance(state.tokenizers, TokenizerPool):
             watchers.append(asyncio.create_task(state.tokenizers.supervise()))
@@ -247,6 +256,24 @@ async def _serve(args, kwargs: dict, model_path: str, opts: ServerOptions, layou
             state.tokenizers.close()
         ipc.cleanup()
     return code
+
+
+def startup_summary(info: dict, kwargs: dict, opts: ServerOptions, layout, model_path: str) -> list[str]:
+    """The start-up lines at INFO: model, dtype and why, KV budget, threads and placement."""
+    names = ", ".join(map(repr, opts.model_names))
+    quant = kwargs.get("quantization") or info.get("quantization")
+    if kwargs.get("dtype", "auto") != "auto":
+        why = f"--dtype {kwargs['dtype']}"
+    else:
+        why = "--dtype auto: the fastest measured on this device (strata hw; -v on generate shows the figures)"
+    weights = f", weights {quant}" if quant else ""
+    return [
+        f"model {model_path} ({info.get('architecture', '?')}, max_model_len {info.get('max_model_len')}) "
+        f"served as {names}",
+        f"dtype {str(info.get('dtype', '?')).removeprefix('torch.')}{weights} ({why})",
+        _kv_summary(info, kwargs),
+        f"threads: {info.get('threads', '?')} compute; {layout.describe()}",
+    ]
 
 
 def gpu_device_checks(kwargs: dict, metrics: Metrics) -> list:

@@ -26,41 +26,62 @@ disable_created_metrics()  # the *_created series only add noise to every scrape
 REQUEST_STAGES = ("tokenize", "queue", "prefill", "decode", "detokenize", "stream")
 
 
+class _ForModel:
+    """A metric with a trailing `model_name` label (as vLLM's carry), bound to one model: callers use
+    it as the unlabelled metric, or `.labels(endpoint, status)` for its own labels."""
+
+    def __init__(self, metric, model_name: str) -> None:
+        self._metric, self._model = metric, model_name
+        self._child = metric.labels(model_name) if metric._labelnames == ("model_name",) else None  # shown at 0
+
+    def labels(self, *values: str):
+        return self._metric.labels(*values, self._model)
+
+    def __getattr__(self, name: str):  # inc / set / observe of the unlabelled metric
+        return getattr(self._child, name)
+
+
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "strata") -> None:
         r = self.registry = CollectorRegistry()
-        self.requests = Counter("strata_requests", "HTTP requests by endpoint and status", ["endpoint", "status"], registry=r)
-        self.ttft = Histogram("strata_time_to_first_token_seconds", "arrival to first token", buckets=LATENCY_BUCKETS, registry=r)
+        self.model_name = model_name
+        self.requests = Counter("strata_requests", "HTTP requests by endpoint and status", ["endpoint", "status", "model_name"], registry=r)
+        self.ttft = Histogram("strata_time_to_first_token_seconds", "arrival to first token", buckets=LATENCY_BUCKETS, labelnames=["model_name"], registry=r)
         self.tpot = Histogram("strata_time_per_output_token_seconds", "(e2e - ttft) / (tokens - 1) per request",
-                              buckets=LATENCY_BUCKETS, registry=r)
+                              buckets=LATENCY_BUCKETS, labelnames=["model_name"], registry=r)
         self.itl = Histogram("strata_inter_token_latency_seconds", "gap between successive tokens of a sequence",
-                             buckets=LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("strata_e2e_request_latency_seconds", "arrival to last token", buckets=LATENCY_BUCKETS, registry=r)
+                             buckets=LATENCY_BUCKETS, labelnames=["model_name"], registry=r)
+        self.e2e = Histogram("strata_e2e_request_latency_seconds", "arrival to last token", buckets=LATENCY_BUCKETS, labelnames=["model_name"], registry=r)
         self.queue = Histogram("strata_request_queue_time_seconds", "engine arrival to first scheduled",
-                               buckets=LATENCY_BUCKETS, registry=r)
-        self.running = Gauge("strata_num_requests_running", "sequences in the running batch", registry=r)
-        self.waiting = Gauge("strata_num_requests_waiting", "sequences waiting for admission", registry=r)
-        self.swapped = Gauge("strata_num_requests_swapped", "sequences parked in host memory", registry=r)
-        self.kv_usage = Gauge("strata_kv_cache_usage_ratio", "KV blocks owned by sequences / all blocks", registry=r)
-        self.kv_reserved = Gauge("strata_kv_cache_reserved_bytes", "KV cache bytes reserved", registry=r)
-        self.kv_live = Gauge("strata_kv_cache_live_token_bytes", "KV bytes holding computed tokens", registry=r)
-        self.kv_waste = Gauge("strata_kv_cache_waste_bytes", "unfilled slots of partially filled blocks", registry=r)
-        self.prompt_tokens = Counter("strata_prompt_tokens", "prompt tokens of admitted requests", registry=r)
-        self.generation_tokens = Counter("strata_generation_tokens", "tokens generated", registry=r)
-        self.preemptions = Counter("strata_preemptions", "sequences preempted", registry=r)
-        self.prefix_queries = Counter("strata_prefix_cache_queries", "full blocks looked up in the prefix cache", registry=r)
-        self.prefix_hits = Counter("strata_prefix_cache_hits", "of those, found cached", registry=r)
-        self.prefix_evictions = Counter("strata_prefix_cache_evictions", "cached blocks evicted", registry=r)
+                               buckets=LATENCY_BUCKETS, labelnames=["model_name"], registry=r)
+        self.running = Gauge("strata_num_requests_running", "sequences in the running batch", ["model_name"], registry=r)
+        self.waiting = Gauge("strata_num_requests_waiting", "sequences waiting for admission", ["model_name"], registry=r)
+        self.swapped = Gauge("strata_num_requests_swapped", "sequences parked in host memory", ["model_name"], registry=r)
+        self.kv_usage = Gauge("strata_kv_cache_usage_ratio", "KV blocks owned by sequences / all blocks", ["model_name"], registry=r)
+        self.kv_reserved = Gauge("strata_kv_cache_reserved_bytes", "KV cache bytes reserved", ["model_name"], registry=r)
+        self.kv_live = Gauge("strata_kv_cache_live_token_bytes", "KV bytes holding computed tokens", ["model_name"], registry=r)
+        self.kv_waste = Gauge("strata_kv_cache_waste_bytes", "unfilled slots of partially filled blocks", ["model_name"], registry=r)
+        self.prompt_tokens = Counter("strata_prompt_tokens", "prompt tokens of admitted requests", ["model_name"], registry=r)
+        self.generation_tokens = Counter("strata_generation_tokens", "tokens generated", ["model_name"], registry=r)
+        self.preemptions = Counter("strata_preemptions", "sequences preempted", ["model_name"], registry=r)
+        self.prefix_queries = Counter("strata_prefix_cache_queries", "full blocks looked up in the prefix cache", ["model_name"], registry=r)
+        self.prefix_hits = Counter("strata_prefix_cache_hits", "of those, found cached", ["model_name"], registry=r)
+        self.prefix_evictions = Counter("strata_prefix_cache_evictions", "cached blocks evicted", ["model_name"], registry=r)
         self.stage = Counter("strata_request_stage_seconds", "per-request stage time, summed over requests",
-                             ["stage"], registry=r)
-        self.step_phase = Counter("strata_engine_step_seconds", "engine loop wall time per step phase", ["phase"], registry=r)
-        self.in_flight = Gauge("strata_http_requests_in_flight", "generation requests being served", registry=r)
+                             ["stage", "model_name"], registry=r)
+        self.step_phase = Counter("strata_engine_step_seconds", "engine loop wall time per step phase", ["phase", "model_name"], registry=r)
+        self.in_flight = Gauge("strata_http_requests_in_flight", "generation requests being served", ["model_name"], registry=r)
         # GPU start-up checks (hardware/startup_checks.py): 0/1 for alerts, and the detail as an info gauge
         self.gpu_check_warning = Gauge("strata_gpu_check_warning", "1 when a GPU start-up check warned "
                                        "(kernel_image, pcie_link, tf32); the log has the fix", ["check", "device"],
                                        registry=r)
         self.gpu_check_info = Gauge("strata_gpu_check_info", "GPU start-up checks: status and detail (value 1)",
                                     ["check", "device", "status", "detail"], registry=r)
+        # every request and engine series carries model_name, last, so that dashboards and the analyzer
+        # matching `{stage="...` keep working
+        for name, metric in list(vars(self).items()):
+            if isinstance(metric, Counter | Gauge | Histogram) and metric._labelnames[-1:] == ("model_name",):
+                setattr(self, name, _ForModel(metric, model_name))
         for s in REQUEST_STAGES:
             self.stage.labels(s)
         self._last = EngineStats()

@@ -44,23 +44,25 @@ class BodyTooLarge(Exception):
     """The body outgrew --max-request-bytes while being read (no or a false Content-Length); 413."""
 
 
-def _model_card(state: ServerState) -> dict:
-    return {"id": state.options.served_model_name, "object": "model", "created": int(time.time()),
+def _model_card(state: ServerState, name: str) -> dict:
+    return {"id": name, "object": "model", "created": int(time.time()),
             "owned_by": "strata", "max_model_len": state.info.get("max_model_len")}
 
 
 @router.get("/v1/models")
 async def models(request: Request):
-    return {"object": "list", "data": [_model_card(server_state(request))]}
+    state = server_state(request)  # every --served-model-name, the primary first (as vLLM lists them)
+    return {"object": "list", "data": [_model_card(state, name) for name in state.options.model_names]}
 
 
 @router.get("/v1/models/{model_id:path}")
 async def model(request: Request, model_id: str):
     state = server_state(request)
-    if model_id != state.options.served_model_name:
+    if model_id not in state.options.model_names:
         return error_response(404, f"model {model_id!r} does not exist; this server serves "
-                              f"{state.options.served_model_name!r}", param="model", code="model_not_found")
-    return _model_card(state)
+                              f"{' or '.join(map(repr, state.options.model_names))}", param="model",
+                              code="model_not_found")
+    return _model_card(state, model_id)
 
 
 @router.post("/v1/completions")

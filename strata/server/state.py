@@ -19,13 +19,20 @@ from strata.server.metrics import Metrics
 class ServerOptions:
     """The server's own flags, validated once here (messages name the flag and the fix)."""
 
-    served_model_name: str
+    served_model_name: str  # the id responses carry (the first --served-model-name)
     api_key: str | None = None
+    aliases: tuple[str, ...] = ()  # further --served-model-name ids requests may use
+    log_requests: bool = True  # an access log line per request (--disable-log-requests turns it off)
     max_request_bytes: int | str = 1 << 20  # bytes or "1MiB"
     max_queue: int = 256
     drain_timeout: float = 30.0
     tokenizer_workers: int | None = None  # None: from spare cores
     startup_timeout: float = 600.0
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """Every id this server answers to, the primary first (/v1/models lists them all)."""
+        return tuple(dict.fromkeys((self.served_model_name, *self.aliases)))
 
     def __post_init__(self) -> None:
         self.max_request_bytes = parse_bytes(self.max_request_bytes, "--max-request-bytes")

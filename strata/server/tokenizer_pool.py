@@ -85,7 +85,8 @@ class _Job:
 
 
 class TokenizerPool:
-    def __init__(self, model_path: str, num_workers: int, ipc: procs.IpcDir, cpus: list[int] | None) -> None:
+    def __init__(self, model_path: str, num_workers: int, ipc: procs.IpcDir, cpus: list[int] | None,
+                 chat_template: str | None = None) -> None:
         self.ctx = zmq.asyncio.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a vanished worker raises, never vanishes
@@ -95,6 +96,8 @@ class TokenizerPool:
         self._worker_args = ["--model", model_path, "--address", self.address]
         if cpus:
             self._worker_args += ["--cpus", ",".join(map(str, cpus))]
+        if chat_template is not None:  # --chat-template: the workers render chat prompts
+            self._worker_args += ["--chat-template", chat_template]
         self._spawned = itertools.count()
         self.workers = [_Worker(i, restart_policy()) for i in range(num_workers)]
         for w in self.workers:

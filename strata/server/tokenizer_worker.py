@@ -18,6 +18,7 @@ import time
 import zmq
 
 from strata.errors import StrataError
+from strata.logs import setup_logging
 from strata.server import faults, procs
 from strata.server.protocol import decode, encode
 
@@ -41,16 +42,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--address", required=True, help="ZeroMQ address of the pool's ROUTER socket")
     ap.add_argument("--identity", required=True, help="this worker's name on that socket")
     ap.add_argument("--cpus", default=None, help="comma-separated CPU ids to run on")
+    ap.add_argument("--chat-template", default=None, help="the server's --chat-template (file or template)")
     args = ap.parse_args(argv)
     procs.die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides when to stop
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    setup_logging("info")
     if args.cpus:
         os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one core per worker
     from strata.engine.tokenizer import Tokenizer
 
-    tokenizer = Tokenizer.from_dir(args.model)
+    tokenizer = Tokenizer.from_dir(args.model, chat_template=args.chat_template)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.IDENTITY, args.identity.encode())

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -18,6 +19,13 @@ import httpx
 import pytest
 
 STARTUP_TIMEOUT = 180.0
+
+
+def without_model_label(text: str) -> str:
+    """/metrics text with the model_name label (on every series, as vLLM's) taken out, so tests can
+    match the other labels exactly: {endpoint="/v1/completions",model_name="m",status="200"} ->
+    {endpoint="/v1/completions",status="200"}."""
+    return re.sub(r'model_name="[^"]*",?', "", text).replace(",}", "}").replace("{}", "")
 
 
 def free_port() -> int:
