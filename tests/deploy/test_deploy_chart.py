@@ -234,3 +234,30 @@ def test_bad_values_are_refused_naming_the_field(over, words) -> None:
     with pytest.raises(helm.HelmError) as e:
         render(over)
     assert words in str(e.value)
+
+
+def test_the_validators_catch_a_wrong_field(rendered) -> None:
+    """The checks above are not vacuous: a misspelt field fails each kind of validation."""
+    import copy
+
+    import jsonschema
+    import kubernetes_validate
+
+    dep = copy.deepcopy(kinds(rendered["gpu1"])["Deployment"])
+    dep["spec"]["template"]["spec"]["containers"][0]["resource"] = {}  # "resources" misspelt
+    with pytest.raises(kubernetes_validate.ValidationError):
+        validate_object(dep)
+    lws = copy.deepcopy(kinds(rendered["tp4-two-nodes"])["LeaderWorkerSet"])
+    lws["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]["containers"][0]["imagePullPolicy"] = 3
+    with pytest.raises(kubernetes_validate.ValidationError):
+        validate_object(lws)
+    so = copy.deepcopy(kinds(rendered["autoscaling-keda"])["ScaledObject"])
+    so["spec"]["minReplicas"] = 1  # KEDA's field is minReplicaCount
+    with pytest.raises(jsonschema.ValidationError):
+        validate_object(so)
+
+
+@pytest.mark.parametrize("case", ["default", "tp4-two-nodes", "monitoring-and-key"])
+def test_helm_lint_finds_no_warning(case) -> None:
+    report = helm.lint(str(CHART), CASES[case], strict=True, kube_version="v1.30.0")
+    assert report["errors"] == [] and [m for m in report["messages"] if m["severity"] >= 2] == [], report
