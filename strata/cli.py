@@ -127,6 +127,22 @@ def _print_fusions(llm) -> None:
         print(f"  {name:<13} {got:>4}{note}", file=sys.stderr)
 
 
+REAL_MODEL_HINT = "for a real model: strata generate Qwen/Qwen2.5-0.5B-Instruct --prompt ... (or --model PATH)"
+
+
+def _model_note(engine_args: EngineArgs) -> str | None:
+    """One line (stderr) saying what the built-in and random models are, so nobody mistakes them
+    for a real model's quality; None for a model the user named."""
+    if engine_args.random_model is not None:
+        return (f"note: --random-model {engine_args.random_model} has random weights: its text is noise (for "
+                f"benchmarks); {REAL_MODEL_HINT}")
+    if engine_args.model is None:
+        from strata.demo.model import DEMO_SUMMARY
+
+        return f"note: the built-in demo model ({DEMO_SUMMARY}); {REAL_MODEL_HINT}"
+    return None
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from strata.engine.llm import LLM
 
@@ -136,6 +152,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     kwargs = engine_args.config_kwargs()
     if args.print_fusions and kwargs.get("fuse") is None:
         kwargs["fuse"] = True
+    note = _model_note(engine_args)
+    if note:
+        print(note, file=sys.stderr)
     llm = LLM(engine_args.model_path(), **kwargs)
     if args.print_fusions:
         _print_fusions(llm)
@@ -189,6 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print how many of each FX fusion pattern were rewritten (turns on --fuse unless "
                    "--no-fuse)")
     EngineArgs.add_cli_args(g)
+    EngineArgs.add_model_positional(g)  # `strata generate MODEL`, as `vllm serve MODEL`
     add_sampling_args(g)
     g.set_defaults(func=cmd_generate)
     from strata.server.main import SERVE_EXAMPLES, add_serve_args, cmd_serve
@@ -196,6 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server", epilog=SERVE_EXAMPLES,
                         formatter_class=argparse.RawDescriptionHelpFormatter)
     EngineArgs.add_cli_args(sv)
+    EngineArgs.add_model_positional(sv)  # `strata serve MODEL`, as `vllm serve MODEL`
     add_serve_args(sv)
     sv.set_defaults(func=cmd_serve)
     from strata.bench import cli as bench_cli

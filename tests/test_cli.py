@@ -65,3 +65,25 @@ def test_bad_jsonl_names_the_line(tmp_path, capsys):
     src.write_text('{"prompt": "ok"}\nnot json\n')
     assert main(["generate", "--input", str(src), "--dtype", "float32"]) == 2
     assert "bad.jsonl:2" in capsys.readouterr().err
+
+
+def test_generate_says_what_the_built_in_and_random_models_are(capsys, tmp_path):
+    """The demo model is named as such, with how to run a real one; --random-model says its weights
+    are random. One line each, on stderr (stdout stays the generated text)."""
+    from strata.demo.model import DEMO_SUMMARY, demo_config
+    from strata.model_config import ModelConfig
+
+    assert f"{ModelConfig.from_dict(demo_config()).num_params() / 1e6:.0f}M parameters" in DEMO_SUMMARY
+    assert main(["generate", "--prompt", "Hi", "--max-tokens", "2", "--dtype", "float32"]) == 0
+    out, err = capsys.readouterr()
+    note = [line for line in err.splitlines() if line.startswith("note:")]
+    assert note == [f"note: the built-in demo model ({DEMO_SUMMARY}); for a real model: strata generate "
+                    "Qwen/Qwen2.5-0.5B-Instruct --prompt ... (or --model PATH)"]
+    assert "note" not in out
+    src = tmp_path / "ids.jsonl"
+    src.write_text('{"prompt_token_ids": [5, 6, 7]}\n')  # the random checkpoint has no tokenizer
+    assert main(["generate", "--random-model", "tiny", "--input", str(src), "--max-tokens", "2",
+                 "--dtype", "float32"]) == 0
+    err = capsys.readouterr().err
+    assert [line for line in err.splitlines() if line.startswith("note:")][0].startswith(
+        "note: --random-model tiny has random weights: its text is noise")

@@ -40,6 +40,8 @@ ARCHITECTURE: dict[str, Any] = {
     "rope_theta": 10000.0,
     "rms_norm_eps": 1e-5,
 }
+# what `strata generate` says the demo model is (tests/test_demo.py checks the count against the config)
+DEMO_SUMMARY = "a small Llama, 11M parameters, trained on Shakespeare's plays: it writes Elizabethan pastiche"
 PACKAGE_FILES = ("tokenizer.json", "tokenizer_config.json")
 CHECKPOINT_FILES = ("config.json", "generation_config.json", "model.safetensors", *PACKAGE_FILES)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from strata.config import EngineConfig, engine_default
@@ -92,14 +93,23 @@ _BY_FIELD = {f.field: f for f in FLAGS}
 class EngineArgs:
     """The engine flags that differ from EngineConfig's defaults, and the model choice."""
 
-    model: str | None = None  # HF directory; None (and no random_model) = the built-in demo model
+    model: str | None = None  # HF directory or Hub id; None (and no random_model) = the built-in demo model
     random_model: str | None = None  # a named random-weight shape (strata.demo.random_models.SHAPES)
+    revision: str | None = None  # Hub branch, tag or commit of a Hub id (graph/hub.py)
+    download_dir: str | None = None  # Hugging Face cache to read and download into
     overrides: dict[str, Any] = field(default_factory=dict)  # EngineConfig field -> value given
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, title: str = "engine") -> None:
         g = parser.add_argument_group(title)
-        g.add_argument("--model", default=None, help="HF model directory (default: the built-in demo model)")
+        g.add_argument("--model", default=None,
+                       help="HF model directory, or a Hugging Face Hub id ORG/NAME[@REVISION] read from the HF "
+                       "cache or downloaded (default: the built-in demo model)")
+        g.add_argument("--revision", default=None,
+                       help="Hub branch, tag or commit of a Hub id (default: main)")
+        g.add_argument("--download-dir", default=None,
+                       help="Hugging Face cache to read Hub models from and download into (default: "
+                       "$HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub)")
         g.add_argument(
             "--random-model", default=None, choices=sorted(SHAPES), metavar="SHAPE",
             help=f"random-weight checkpoint of a named shape ({', '.join(SHAPES)}), written once under "
@@ -120,8 +130,12 @@ class EngineArgs:
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
         given = {f.field: getattr(args, f.field) for f in FLAGS if hasattr(args, f.field)}
+        model, tag = getattr(args, "model", None), getattr(args, "model_tag", None)
+        if model is not None and tag is not None and model != tag:
+            raise ConfigError(f"two models given: {tag!r} (positional) and --model {model!r}; give one")
         return cls(
-            model=getattr(args, "model", None), random_model=getattr(args, "random_model", None),
+            model=model or tag, random_model=getattr(args, "random_model", None),
+            revision=getattr(args, "revision", None), download_dir=getattr(args, "download_dir", None),
             overrides={k: v for k, v in given.items() if v != engine_default(k)},
         )
 
@@ -129,15 +143,34 @@ class EngineArgs:
         """The value a flag resolves to: given, else EngineConfig's default."""
         return self.overrides.get(name, engine_default(name))
 
+    @staticmethod
+    def add_model_positional(parser: argparse.ArgumentParser) -> None:
+        """`strata serve MODEL` / `strata generate MODEL`, as `vllm serve MODEL`: the same as --model."""
+        parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                            help="HF model directory or Hub id ORG/NAME[@REVISION] (same as --model)")
+
+    def hub_id(self) -> str | None:
+        """The Hub id (ORG/NAME, no revision) when the model is one rather than a local path."""
+        from strata.graph.hub import is_hub_id, split_revision
+
+        if self.model is None or self.random_model is not None or Path(self.model).expanduser().exists():
+            return None
+        return split_revision(self.model)[0] if is_hub_id(self.model) else None
+
     def model_path(self) -> str | None:
-        """Checkpoint directory from --model / --random-model; None selects the demo model."""
+        """Checkpoint directory from --model (a Hub id resolved to its snapshot, downloading it when
+        it is not cached: graph/hub.py) / --random-model; None selects the demo model."""
         if self.random_model is not None:
             if self.model is not None:
                 raise ConfigError("give --model PATH or --random-model SHAPE, not both")
             from strata.demo.random_models import random_model_path
 
             return str(random_model_path(self.random_model))
-        return self.model
+        if self.model is None:
+            return None
+        from strata.graph.loader import check_model_dir
+
+        return str(check_model_dir(self.model, self.revision, self.download_dir))
 
     def config_kwargs(self, **overrides: Any) -> dict[str, Any]:
         """EngineConfig keyword arguments (model excluded): the flags set, then `overrides`."""
@@ -157,6 +190,10 @@ class EngineArgs:
             out += ["--random-model", self.random_model]
         if self.model is not None:
             out += ["--model", self.model]
+        if self.revision is not None:
+            out += ["--revision", self.revision]
+        if self.download_dir is not None:
+            out += ["--download-dir", self.download_dir]
         for name, value in self.overrides.items():
             f = _BY_FIELD[name]
             if f.kind == "value":

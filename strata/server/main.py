@@ -285,7 +285,11 @@ def gpu_device_checks(kwargs: dict, metrics: Metrics) -> list:
         return []
     from strata.hardware import startup_checks
 
-    facts = startup_checks.gather_facts()
+    try:
+        facts = startup_checks.gather_facts()
+    except Exception as e:  # a check must never stop the server
+        logger.warning("GPU start-up checks skipped: cannot read the GPUs' facts (%s)", e)
+        return []
     checks = startup_checks.device_checks(facts, list(torch.cuda.get_arch_list()))
     startup_checks.report(checks)
     metrics.gpu_checks(checks)

@@ -64,9 +64,9 @@ def test_to_cli_round_trips():
     assert again == ea
 
 
-def test_model_choice():
+def test_model_choice(tmp_path):
     assert EngineArgs.from_cli_args(_parse()).model_path() is None  # the demo model
-    assert EngineArgs.from_cli_args(_parse("--model", "/some/dir")).model_path() == "/some/dir"
+    assert EngineArgs.from_cli_args(_parse("--model", str(tmp_path))).model_path() == str(tmp_path)
     with pytest.raises(ConfigError, match="not both"):
         EngineArgs.from_cli_args(_parse("--model", "/x", "--random-model", "tiny")).model_path()
 

@@ -115,3 +115,18 @@ def test_serve_runs_them_on_cuda_only(monkeypatch, caplog) -> None:
     info = _series(m, "strata_gpu_check_info")
     assert len(info) == 3 and sum('check="tf32"' in k and 'status="ok"' in k for k in info) == 1
     assert _series(m, "strata_gpu_check_warning")['{check="tf32",device="0"}'] == 0.0
+
+
+def test_unreadable_facts_skip_the_checks_not_the_server(monkeypatch, caplog) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+    def broken():
+        raise RuntimeError("driver/library version mismatch")
+
+    monkeypatch.setattr(sc, "gather_facts", broken)
+    m = Metrics()
+    with caplog.at_level(logging.WARNING, logger="strata.server"):
+        assert main.gpu_device_checks({"device": "cuda:0"}, m) == []
+    assert "GPU start-up checks skipped" in caplog.text and "version mismatch" in caplog.text
+    main.gpu_tf32_checks([], {"dtype": "torch.float32"}, m)  # nothing to check: no series
+    assert not _series(m, "strata_gpu_check_warning")
