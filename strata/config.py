@@ -84,6 +84,11 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # ranks sharing the model (torch.distributed; engine/parallel.py)
     comm_dtype: str | None = None  # None | bfloat16 | float16: compressed tensor-parallel all-reduce
     comm_timeout: float = 60.0  # seconds any collective may take before a rank counts as dead
+    # speculative decoding (engine/speculative.py): "ngram" = prompt lookup; None = off
+    speculative_model: str | None = None
+    num_speculative_tokens: int = 4  # draft tokens verified per step
+    prompt_lookup_max: int = 4  # n-gram sizes prompt lookup matches, longest first
+    prompt_lookup_min: int = 2
     chat_template: str | None = None  # a Jinja template, or a file holding one; None = the checkpoint's
     # sampling defaults: auto = the model's generation_config.json, vllm = none (vLLM's name), or a directory
     generation_config: str = "auto"
@@ -176,6 +181,16 @@ class EngineConfig:
         if not isinstance(self.comm_timeout, int | float) or isinstance(self.comm_timeout, bool) \
                 or not self.comm_timeout > 0:
             raise ConfigError(f"comm_timeout: must be a positive number of seconds, got {self.comm_timeout!r}")
+        if self.speculative_model not in (None, "ngram"):
+            raise ConfigError(f"speculative_model: {self.speculative_model!r} is not supported; use 'ngram' "
+                              "(prompt lookup). A separate draft model is not implemented yet")
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= 64:
+                raise ConfigError(f"{name}: must be an integer in [1, 64], got {v!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ConfigError(f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max "
+                              f"({self.prompt_lookup_max})")
         if self.generation_config not in ("auto", "vllm") and not Path(self.generation_config).is_dir():
             raise ConfigError(
                 f"generation_config: {self.generation_config!r} is neither 'auto' (the model's "

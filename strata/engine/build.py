@@ -30,6 +30,7 @@ from strata.engine.preemption import SwapPolicy
 from strata.engine.runner import ModelRunner
 from strata.engine.sampler import Sampler
 from strata.engine.scheduler import Scheduler
+from strata.engine.speculative import NgramProposer, Speculator
 from strata.errors import ModelLoadError
 from strata.graph.loader import check_model_dir, load_model
 from strata.hardware.placement import rank_placement, set_compute_threads
@@ -438,8 +439,12 @@ def _build(config: EngineConfig, ckpt: Checkpoint, detokenize: bool, threads: in
         grammars = GrammarCompiler(ckpt.tokenizer.to_json(), cfg.vocab_size, ckpt.eos_token_ids)
     lifecycle = SequenceLifecycle(ckpt.eos_token_ids, max_len, ckpt.tokenizer if detokenize else None, grammars)
     prefer_swap = SwapPolicy(config, plan, dtype, cfg)
+    speculator = None
+    if config.speculative_model == "ngram":
+        speculator = Speculator(config.num_speculative_tokens,
+                                NgramProposer(config.prompt_lookup_max, config.prompt_lookup_min))
     scheduler = Scheduler(blocks, config.max_num_seqs, config.max_num_batched_tokens, prefer_swap, lifecycle,
-                          decode_first_cap(config, cfg, dtype))
+                          decode_first_cap(config, cfg, dtype), speculator)
     sampler = Sampler(cfg.vocab_size, ckpt.eos_token_ids, config.seed)
     return EngineParts(config, threads, ckpt, dtype, max_len, model, plan, blocks, kv_caches, fusion,
                        runner, scheduler, sampler, ranks, control)

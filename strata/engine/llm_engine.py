@@ -12,11 +12,12 @@ import logging
 import time
 
 from strata.config import EngineConfig
-from strata.engine import adaptive_threads
+from strata.engine import adaptive_threads, speculative
 from strata.engine.build import build_engine
 from strata.engine.grammar import GrammarMasks
 from strata.engine.parallel import STOP, RankDied, encode_step
 from strata.engine.request import CompletionOutput, Request, RequestOutput, SeqStatus
+from strata.engine.sampler import SamplerOutput
 from strata.engine.sampling_params import SamplingParams
 from strata.engine.scheduler import sampling_seqs
 from strata.errors import RequestError
@@ -186,6 +187,10 @@ class LLMEngine:
         t2 = time.perf_counter()
         constrain = None if masks is None else (lambda x: self.grammar_masks.apply(x, seqs, masks))
         sampled = self.sampler(logits, seqs, constrain) if seqs else None
+        if sampled is not None and self.scheduler.speculator is not None:  # keep the accepted drafts
+            seqs, tokens, lps = speculative.accept(out.scheduled, seqs, sampled.token_ids, sampled.logprobs,
+                                                   self.scheduler.speculator)
+            sampled = SamplerOutput(tokens, lps)
         touched = self.scheduler.update(out, seqs, sampled)
         t3 = time.perf_counter()
         st = self.stage_seconds

@@ -69,6 +69,7 @@ class _PlanItem:
     num_tokens: int
     samples: bool
     forks: list = field(default_factory=list)
+    draft: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -85,16 +86,16 @@ def encode_step(out) -> bytes:
     items = []
     for s in out.scheduled:
         start = s.seq.num_computed_tokens
-        items.append([start, s.seq.token_ids[start : start + s.num_tokens], list(s.seq.block_table),
-                      bool(s.samples), len(s.forks)])
+        items.append([start, s.seq.token_ids[start : start + s.num_tokens - len(s.draft)] + s.draft,
+                      list(s.seq.block_table), bool(s.samples), len(s.forks), s.draft])
     return msgspec.msgpack.encode([items, out.block_copies, out.swap_out, out.swap_in])
 
 
 def decode_step(data: bytes) -> PlanOutput:
     items, copies, swap_out, swap_in = msgspec.msgpack.decode(data)
     scheduled = [
-        _PlanItem(_PlanSeq(_Window(start, toks), start, table), len(toks), samples, [None] * forks)
-        for start, toks, table, samples, forks in items
+        _PlanItem(_PlanSeq(_Window(start, toks), start, table), len(toks), samples, [None] * forks, draft)
+        for start, toks, table, samples, forks, draft in items
     ]
     pairs = [[tuple(p) for p in x] for x in (copies, swap_out, swap_in)]
     return PlanOutput(scheduled, *pairs)

@@ -11,6 +11,7 @@ from collections.abc import Callable
 import torch
 
 from strata.engine.scheduler import ScheduledSeq, SchedulerOutput
+from strata.engine.speculative import DraftView
 from strata.graph.models.llama import CausalLM
 from strata.kernels.attention import (
     AttentionBackend,
@@ -58,10 +59,10 @@ class ModelRunner:
         spans: list[PrefillSpan] = []
         logit_rows: list[int] = []
         order = []
-        for s in prefills:
+        for s in prefills:  # prompt chunks, and decodes verifying a draft (last token + draft)
             seq, start, n = s.seq, s.seq.num_computed_tokens, s.num_tokens
             begin = len(ids)
-            ids += seq.token_ids[start : start + n]
+            ids += seq.token_ids[start : start + n] if not s.draft else [seq.token_ids[start], *s.draft]
             pos = torch.arange(start, start + n, device=self.device)
             table = self._tensor(seq.block_table)
             positions.append(pos)
@@ -71,9 +72,12 @@ class ModelRunner:
                 keys = torch.arange(start + n, device=self.device)
                 mask = keys[None, :] <= pos[:, None]
             spans.append(PrefillSpan(begin, begin + n, start, table, mask))
-            if s.samples:
+            if s.draft:  # every position: row i samples as if draft[:i] were accepted
+                logit_rows += range(begin, begin + n)
+                order += [(s, i) for i in range(n)]
+            elif s.samples:
                 logit_rows.append(len(ids) - 1)
-                order.append(s)
+                order.append((s, 0))
         p = len(ids)
         decode_tables = decode_mask = decode_lens = None
         if decodes:
@@ -91,7 +95,7 @@ class ModelRunner:
                 keys = torch.arange(max_blocks * bs, device=self.device)
                 decode_mask = (keys[None, :] <= dpos_t[:, None]).view(len(decodes), 1, 1, -1)
             logit_rows += range(p, len(ids))
-            order += decodes
+            order += [(s, 0) for s in decodes]
         meta = AttentionMetadata(
             slot_mapping=torch.cat(slots) if len(slots) > 1 else slots[0],
             prefills=spans,
@@ -104,16 +108,19 @@ class ModelRunner:
         pos_t = torch.cat(positions) if len(positions) > 1 else positions[0]
         return self._tensor(ids), pos_t, meta, self._tensor(logit_rows), order
 
-    def _sampling_rows(self, order: list[ScheduledSeq]):
+    def _sampling_rows(self, order: list[tuple[ScheduledSeq, int]]):
         """Each sampling sequence with its logits row: a request forking this step (n > 1) has
-        its siblings sample from the parent's row. Returns (sequences, row index or None)."""
-        seqs = [s.seq for s in order]
-        if not any(s.forks for s in order):
+        its siblings sample from the parent's row; row i > 0 of a draft samples for a DraftView.
+        Returns (sequences, row index or None)."""
+        seqs = [s.seq if i == 0 else DraftView(s.seq, s.draft[:i]) for s, i in order]
+        if not any(s.forks for s, _ in order):
             return seqs, None
-        seqs, rows = [], []
-        for r, s in enumerate(order):
-            seqs += [s.seq, *s.forks]
-            rows += [r] * (1 + len(s.forks))
+        expanded, rows = [], []
+        for r, ((s, i), seq) in enumerate(zip(order, seqs)):
+            forks = s.forks if i == 0 else []
+            expanded += [seq, *forks]
+            rows += [r] * (1 + len(forks))
+        seqs = expanded
         return seqs, torch.tensor(rows, device=self.device)
 
     @torch.inference_mode()

@@ -39,13 +39,15 @@ from strata.memory.blocks import BlockManager, PrefixMatch
 @dataclass
 class ScheduledSeq:
     seq: Sequence
-    num_tokens: int  # new tokens to compute this step
+    num_tokens: int  # new tokens to compute this step (a decode's 1 + its draft's)
     forks: list[Sequence] = field(default_factory=list)  # n > 1: siblings sampling from seq's row
+    draft: list[int] = field(default_factory=list)  # speculative decoding: tokens verified this step
+    accepted: int = 0  # of the draft, set once the step is sampled (engine/speculative.accept)
 
     @property
     def samples(self) -> bool:
         """True when this step computes the last known token, so a new one is sampled."""
-        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
+        return self.seq.num_computed_tokens + self.num_tokens - len(self.draft) == self.seq.num_tokens
 
 
 @dataclass
@@ -70,12 +72,14 @@ class Scheduler:
     def __init__(
         self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
         prefer_swap: Callable[[Sequence], bool] | None = None, lifecycle: SequenceLifecycle | None = None,
-        max_prefill_tokens_while_decoding: int | None = None,
+        max_prefill_tokens_while_decoding: int | None = None, speculator=None,
     ) -> None:
         """prefer_swap(seq): the preemption policy when the block manager has a host pool
         (default: always swap when it has room). lifecycle: sequence creation and stop rules.
         max_prefill_tokens_while_decoding: decode-first cap on a step's prefill tokens whenever a
-        sequence is decoding (None: only the step budget)."""
+        sequence is decoding (None: only the step budget). speculator: engine/speculative.Speculator,
+        drafts for decoding sequences (None: no speculative decoding)."""
+        self.speculator = speculator
         self.blocks = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -139,9 +143,11 @@ class Scheduler:
                     i += 1
                     continue
                 prefill_left -= n
-            if not self._reserve(seq, n, out, scheduled_ids):
+            draft = self._draft(seq, budget) if remaining == 1 else []
+            if not self._reserve(seq, n + len(draft), out, scheduled_ids):
                 break  # seq itself was preempted; everything after it already was too
-            out.scheduled.append(ScheduledSeq(seq, n))
+            n += len(draft)
+            out.scheduled.append(ScheduledSeq(seq, n, draft=draft))
             scheduled_ids.add(seq.seq_id)
             budget -= n
             i += 1
@@ -175,6 +181,20 @@ class Scheduler:
             if s.samples and not s.seq.request.forked:
                 self._fork_request(s)
         return out
+
+    def _draft(self, seq: Sequence, budget: int) -> list[int]:
+        """Speculative tokens for a decoding sequence: within the step budget, max_tokens and
+        max_model_len (counting the bonus token), and only where blocks are free without preempting."""
+        if self.speculator is None:
+            return []
+        p = seq.request.params
+        limit = min(budget - 1, self.lifecycle.max_model_len - seq.num_tokens - 1)
+        if p.max_tokens is not None:
+            limit = min(limit, p.max_tokens - seq.num_output_tokens - 1)
+        draft = self.speculator.draft(seq, int(limit))
+        if draft and not self.blocks.can_allocate(seq, seq.num_computed_tokens + 1 + len(draft)):
+            return []
+        return draft
 
     def _prefill_cap(self) -> int | float:
         """Prefill tokens this step may take: the decode-first cap while any sequence decodes
@@ -263,9 +283,15 @@ class Scheduler:
         token from `sampled` (token_ids, logprobs), and finished sequences are freed. Returns the
         requests that advanced, in order."""
         bs = self.blocks.block_size
+        drafted = []
         for s in out.scheduled:
             seq = s.seq
             before = seq.num_computed_tokens
+            if s.draft:  # KV of the rejected draft tokens is dropped with their blocks
+                seq.num_computed_tokens += s.num_tokens - len(s.draft) + s.accepted
+                self.blocks.truncate(seq, seq.num_computed_tokens)
+                drafted.append((s, before))
+                continue
             seq.num_computed_tokens += s.num_tokens
             self.blocks.register(seq, before // bs, seq.num_computed_tokens // bs)
         for s in out.scheduled:
@@ -275,9 +301,14 @@ class Scheduler:
         if seqs:
             now = time.time() if now is None else now
             for seq, tok, lp in zip(seqs, sampled.token_ids, sampled.logprobs):
+                if seq.finished:
+                    continue  # stopped at an earlier token of its accepted draft
                 if self.lifecycle.append(seq, tok, lp, now):
                     self.finish(seq)
                 touched[seq.request.request_id] = seq.request
+        for s, before in drafted:  # their accepted tokens are in token_ids now: hashable
+            if not s.seq.finished:
+                self.blocks.register(s.seq, before // bs, s.seq.num_computed_tokens // bs)
         return list(touched.values())
 
     def finish(self, seq: Sequence, status: SeqStatus = SeqStatus.FINISHED) -> None:
@@ -293,3 +324,5 @@ class Scheduler:
             self._prefetched.remove(seq)
         self.blocks.free(seq)
         seq.status = status
+        if self.speculator is not None:
+            self.speculator.forget(seq)

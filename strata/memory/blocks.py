@@ -218,15 +218,25 @@ class BlockManager:
         walked from its end, so a sequence's tail blocks are evicted before its head blocks.
         """
         for b in reversed(seq.block_table):
-            self._refs[b] -= 1
-            if self._refs[b] == 0:
-                if self._hash[b] is not None:
-                    self._cached[b] = None
-                else:
-                    self._free.appendleft(b)  # reused first: pages already resident (kv_cache.py)
-            elif self._refs[b] < 0:
-                raise RuntimeError(f"block {b} freed more often than owned")
+            self._release(b)
         seq.block_table.clear()
+
+    def truncate(self, seq: HasBlocks, num_tokens: int) -> None:
+        """Release the blocks of `seq` past the first `num_tokens` tokens (speculative decoding's
+        rejected draft tokens: their KV is never read, and the blocks were taken this step)."""
+        keep = self.blocks_for(num_tokens)
+        while len(seq.block_table) > keep:
+            self._release(seq.block_table.pop())
+
+    def _release(self, b: int) -> None:
+        self._refs[b] -= 1
+        if self._refs[b] == 0:
+            if self._hash[b] is not None:
+                self._cached[b] = None
+            else:
+                self._free.appendleft(b)  # reused first: pages already resident (kv_cache.py)
+        elif self._refs[b] < 0:
+            raise RuntimeError(f"block {b} freed more often than owned")
 
     def fork(self, parent: HasBlocks, child: HasBlocks, num_tokens: int) -> list[tuple[int, int]]:
         """Give `child` the parent's first `num_tokens` tokens of KV.

@@ -21,8 +21,8 @@ from strata.server.generation import ChoiceDelta, check_length
 from strata.server.generation_http import Submission, generate
 from strata.server.openai_api import (
     ChatRequest,
-    NamedToolChoice,
     CompletionRequest,
+    NamedToolChoice,
     chat_logprobs,
     chat_messages,
     check_fields,
@@ -35,7 +35,12 @@ from strata.server.openai_api import (
 from strata.server.responses import CompletionLogprobs, chat_chunk, completion_chunk
 from strata.server.responses import chat_logprobs as format_chat_logprobs
 from strata.server.state import ServerState, server_state
-from strata.server.tool_calls import ToolCallStream, check_tools, forced_call_grammar, parse_tool_calls
+from strata.server.tool_calls import (
+    ToolCallStream,
+    check_tools,
+    forced_call_grammar,
+    parse_tool_calls,
+)
 
 router = APIRouter()
 
