@@ -66,6 +66,10 @@ class EngineStats:
     prefix_evictions: int = 0
     steps: int = 0
     stage_seconds: dict = field(default_factory=dict)
+    spec_steps: int = 0  # speculative decoding (engine/speculative.SpecStats): sequence-steps verifying
+    spec_drafted: int = 0  # a draft, draft tokens, those accepted, tokens those steps produced
+    spec_accepted: int = 0
+    spec_emitted: int = 0
 
 
 class EngineClient:

@@ -117,7 +117,16 @@ class EngineLoop:
             "kv_token_bytes": usage.token_bytes, "kv_waste_bytes": usage.waste_bytes,
             "preemptions": sch.num_preemptions, "prefix_queries": pc.queries, "prefix_hits": pc.hits,
             "prefix_evictions": pc.evictions, "steps": eng.num_steps, "stage_seconds": dict(eng.stage_seconds),
+            **self._spec_stats(),
         }
+
+    def _spec_stats(self) -> dict:
+        spec = self.engine.scheduler.speculator
+        if spec is None:
+            return {}
+        st = spec.stats
+        return {"spec_steps": st.steps, "spec_drafted": st.drafted, "spec_accepted": st.accepted,
+                "spec_emitted": st.emitted}
 
     def run(self) -> None:
         eng = self.engine

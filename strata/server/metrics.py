@@ -70,6 +70,17 @@ class Metrics:
         self.stage = Counter("strata_request_stage_seconds", "per-request stage time, summed over requests",
                              ["stage", "model_name"], registry=r)
         self.step_phase = Counter("strata_engine_step_seconds", "engine loop wall time per step phase", ["phase", "model_name"], registry=r)
+        # speculative decoding (--speculative-model): vLLM's spec_decode_* series, plus the two ratios
+        self.spec_drafts = Counter("strata_spec_decode_num_drafts", "sequence-steps that verified a draft",
+                                   ["model_name"], registry=r)
+        self.spec_draft_tokens = Counter("strata_spec_decode_num_draft_tokens", "draft tokens verified",
+                                         ["model_name"], registry=r)
+        self.spec_accepted_tokens = Counter("strata_spec_decode_num_accepted_tokens", "draft tokens accepted",
+                                            ["model_name"], registry=r)
+        self.spec_acceptance = Gauge("strata_spec_decode_acceptance_rate", "accepted / draft tokens since start",
+                                     ["model_name"], registry=r)
+        self.spec_tokens_per_step = Gauge("strata_spec_decode_tokens_per_step", "tokens a drafting sequence "
+                                          "gains per step (accepted + 1) since start", ["model_name"], registry=r)
         self.in_flight = Gauge("strata_http_requests_in_flight", "generation requests being served", ["model_name"], registry=r)
         # GPU start-up checks (hardware/startup_checks.py): 0/1 for alerts, and the detail as an info gauge
         self.gpu_check_warning = Gauge("strata_gpu_check_warning", "1 when a GPU start-up check warned "
@@ -102,9 +113,15 @@ class Metrics:
             (self.prefix_queries, s.prefix_queries, last.prefix_queries),
             (self.prefix_hits, s.prefix_hits, last.prefix_hits),
             (self.prefix_evictions, s.prefix_evictions, last.prefix_evictions),
+            (self.spec_drafts, s.spec_steps, last.spec_steps),
+            (self.spec_draft_tokens, s.spec_drafted, last.spec_drafted),
+            (self.spec_accepted_tokens, s.spec_accepted, last.spec_accepted),
         ):
             if now > before:
                 counter.inc(now - before)
+        if s.spec_drafted:
+            self.spec_acceptance.set(s.spec_accepted / s.spec_drafted)
+            self.spec_tokens_per_step.set(s.spec_emitted / s.spec_steps)
         for phase, secs in s.stage_seconds.items():
             delta = secs - last.stage_seconds.get(phase, 0.0)
             if delta > 0:
