@@ -22,12 +22,15 @@ from strata.config import DTYPES
 from strata.errors import ConfigError, ModelLoadError
 from strata.text_table import fmt_bytes
 
-# architecture -> family flags; every family is a Llama-shaped decoder with small differences.
+# architecture -> family flags; every family is a Llama-shaped decoder with small differences
+# (the rest of each family's differences are ModelConfig fields read by _family_fields below).
 SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool]] = {
     "LlamaForCausalLM": {"qkv_bias": False, "qk_norm": False},
     "MistralForCausalLM": {"qkv_bias": False, "qk_norm": False},
     "Qwen2ForCausalLM": {"qkv_bias": True, "qk_norm": False},
     "Qwen3ForCausalLM": {"qkv_bias": False, "qk_norm": True},
+    "Gemma3ForCausalLM": {"qkv_bias": False, "qk_norm": True},  # Gemma 3 text (1B, or a text-only export)
+    "Phi3ForCausalLM": {"qkv_bias": False, "qk_norm": False},  # Phi-3, Phi-3.5-mini, Phi-4-mini
 }
 
 REQUIRED = object()  # Field.default: the field must be present and not null
@@ -82,7 +85,7 @@ SCHEMA: dict[str, Field] = {
 
 # rope_parameters (transformers >= 5) or rope_scaling: the fields of each rope type Strata
 # implements (graph/layers.py: RotaryEmbedding, _llama3_inv_freq)
-ROPE_TYPE = Field(str, default="default", choices=("default", "linear", "llama3"))
+ROPE_TYPE = Field(str, default="default", choices=("default", "linear", "llama3", "longrope", "su"))
 ROPE_SCHEMAS: dict[str, dict[str, Field]] = {
     "default": {},
     "linear": {"factor": Field(float, 1)},
@@ -92,7 +95,31 @@ ROPE_SCHEMAS: dict[str, dict[str, Field]] = {
         "high_freq_factor": Field(float, "low_freq_factor", default=4.0, lo_open=True),
         "original_max_position_embeddings": Field(int, 1, _SIZE),
     },
+    # Phi-3 / Phi-4-mini ("su" is its old name); short_factor / long_factor are checked in _longrope
+    "longrope": {
+        "factor": Field(float, 0, default=None, lo_open=True),
+        "attention_factor": Field(float, 0, default=None, lo_open=True),
+        "original_max_position_embeddings": Field(int, 1, _SIZE, default=None),
+    },
 }
+ROPE_SCHEMAS["su"] = ROPE_SCHEMAS["longrope"]
+
+# fields only the Gemma 3 and Phi-3 families read (ModelConfig._family_fields); kept apart from SCHEMA
+# because the Llama-family configs never carry them
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+FAMILY_SCHEMA: dict[str, Field] = {
+    "hidden_act": Field(str, default="silu", choices=ACTIVATIONS),  # Phi-3
+    "hidden_activation": Field(str, default="gelu_pytorch_tanh", choices=ACTIVATIONS),  # Gemma 3
+    "query_pre_attn_scalar": Field(float, 0, default=256.0, lo_open=True),
+    "final_logit_softcapping": Field(float, 0, default=None, lo_open=True),
+    "attn_logit_softcapping": Field(float, 0, default=None, lo_open=True),
+    "use_bidirectional_attention": Field(bool, default=False),
+    "sliding_window_pattern": Field(int, 1, 1024, default=6),  # Gemma 3: every 6th layer is global
+    "rope_local_base_freq": Field(float, 1, default=10000.0, lo_open=True),
+    "partial_rotary_factor": Field(float, 0, 1, default=None, lo_open=True),
+    "original_max_position_embeddings": Field(int, 1, _SIZE, default=None),
+}
+LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
 def _show(value: Any) -> str:
@@ -207,9 +234,10 @@ def _architecture(d: dict[str, Any], source: str) -> str:
     return archs[0]
 
 
-def _rope(d: dict[str, Any], f: _Reader, source: str) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, rope scaling dict with rope_type, or None for plain rotary)."""
-    key = "rope_parameters" if d.get("rope_parameters") else "rope_scaling"
+def _rope(d: dict[str, Any], f: _Reader, source: str, key: str | None = None) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope scaling dict with rope_type, or None for plain rotary). `key`: read that
+    entry of d (a Gemma 3 per-layer-type rope_parameters entry) instead of rope_parameters / rope_scaling."""
+    key = key or ("rope_parameters" if d.get("rope_parameters") else "rope_scaling")
     raw = d.get(key)
     if raw is not None and not isinstance(raw, dict):
         raise ModelLoadError(
@@ -226,8 +254,100 @@ def _rope(d: dict[str, Any], f: _Reader, source: str) -> tuple[float, dict[str, 
     params = _Reader(rope, source, ROPE_SCHEMAS[rtype], prefix=f"{key}.")
     for name in ROPE_SCHEMAS[rtype]:
         rope[name] = params.get(name)
-    rope["rope_type"] = rtype
+    rope["rope_type"] = "longrope" if rtype == "su" else rtype
     return (10000.0 if theta is None else theta), (None if rtype == "default" else rope)
+
+
+def _longrope(rope: dict[str, Any], d: dict[str, Any], max_positions: int, rotary_dim: int, source: str) -> None:
+    """Check and complete a longrope (Phi-3) scaling dict in place: factor lists of rotary_dim / 2
+    positive numbers, original_max_position_embeddings (its own or the config's top-level field),
+    and the attention factor as transformers derives it (_compute_longrope_parameters)."""
+    for name in ("short_factor", "long_factor"):
+        v = rope.get(name)
+        ok = isinstance(v, list) and len(v) == rotary_dim // 2 and all(
+            isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x) and x > 0 for x in v)
+        if not ok:
+            raise ModelLoadError(
+                f"{source}: rope_scaling.{name} = {_show(v)} is not a list of {rotary_dim // 2} positive numbers; "
+                f"longrope needs one factor per rotary frequency (rotary dims {rotary_dim} / 2)"
+            )
+    orig = rope.get("original_max_position_embeddings") or d.get("original_max_position_embeddings")
+    if orig is None:
+        raise ModelLoadError(f"{source}: longrope needs original_max_position_embeddings (the pre-training length)")
+    rope["original_max_position_embeddings"] = orig
+    factor = rope.get("factor") or max_positions / orig
+    if rope.get("attention_factor") is None:
+        rope["attention_factor"] = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(orig))
+
+
+def _layer_windows(arch: str, d: dict[str, Any], fam: _Reader, layers: int, window: int | None,
+                   source: str) -> tuple[int | None, ...]:
+    """The attention window of each layer (None: full attention): config.json's layer_types where
+    given, else the family's rule (Gemma 3: every sliding_window_pattern-th layer is global, the
+    rest slide; the others: every layer slides when the config has a window)."""
+    if window is None:
+        return (None,) * layers
+    types = d.get("layer_types")
+    if types is not None:
+        if not (isinstance(types, list) and len(types) == layers and all(t in LAYER_TYPES for t in types)):
+            raise ModelLoadError(
+                f"{source}: layer_types = {_show(types)} is not a list of {layers} entries (num_hidden_layers), "
+                f"each one of {', '.join(LAYER_TYPES)}"
+            )
+        return tuple(window if t == "sliding_attention" else None for t in types)
+    if arch == "Gemma3ForCausalLM":
+        pattern = fam.get("sliding_window_pattern")
+        return tuple(window if (i + 1) % pattern else None for i in range(layers))
+    return (window,) * layers
+
+
+def _family_fields(arch: str, d: dict[str, Any], source: str, hidden: int, head_dim: int, max_positions: int,
+                   rope: dict[str, Any] | None) -> dict[str, Any]:
+    """The ModelConfig fields in which Gemma 3 and Phi-3 differ from the Llama-shaped default; a
+    field that asks for something Strata does not implement is refused."""
+    fam = _Reader(d, source, FAMILY_SCHEMA)
+    out: dict[str, Any] = {}
+    if arch == "Gemma3ForCausalLM":
+        if fam.get("attn_logit_softcapping") is not None:
+            raise ModelLoadError(f"{source}: attn_logit_softcapping is not implemented (Gemma 2's); expected null")
+        if fam.get("use_bidirectional_attention"):
+            raise ModelLoadError(f"{source}: use_bidirectional_attention (an embedding model) is not implemented; "
+                                 "expected false: Strata runs causal decoders")
+        out.update(hidden_act=fam.get("hidden_activation"), gemma_norms=True, embed_scale=hidden**0.5,
+                   attn_scale=fam.get("query_pre_attn_scalar") ** -0.5,
+                   final_logit_softcapping=fam.get("final_logit_softcapping"))
+    elif arch == "Phi3ForCausalLM":
+        out["hidden_act"] = fam.get("hidden_act")
+        partial = fam.get("partial_rotary_factor")
+        if partial is None and isinstance(d.get("rope_parameters"), dict):
+            partial = d["rope_parameters"].get("partial_rotary_factor")
+        dims = int(head_dim * (partial or 1.0))
+        if dims % 2 or dims < 2:
+            raise ModelLoadError(f"{source}: partial_rotary_factor = {_show(partial)} gives {dims} "
+                                 f"rotary dims of head_dim {head_dim}; expected an even number >= 2")
+        out["rotary_dim"] = dims if dims != head_dim else None
+    if rope is not None and rope["rope_type"] == "longrope":
+        _longrope(rope, d, max_positions, out.get("rotary_dim") or head_dim, source)
+    return out
+
+
+def _gemma_ropes(d: dict[str, Any], f: _Reader, source: str) -> tuple[float, dict | None, float]:
+    """Gemma 3's two rotary embeddings: (global theta, global scaling, local theta). transformers >= 5
+    writes rope_parameters per layer type; older configs rope_theta, rope_scaling and rope_local_base_freq
+    (the local layers use plain rotary)."""
+    params = d.get("rope_parameters")
+    if isinstance(params, dict) and ("full_attention" in params or "sliding_attention" in params):
+        sub = {"full_attention": params.get("full_attention") or {}, "sliding_attention": params.get("sliding_attention") or {}}
+        theta, rope = _rope({**sub, "rope_theta": None}, _Reader({}, source, SCHEMA), source, "full_attention")
+        local, local_rope = _rope({**sub}, _Reader({}, source, SCHEMA), source, "sliding_attention")
+        if local_rope is not None:
+            raise ModelLoadError(f"{source}: rope_parameters.sliding_attention.rope_type = "
+                                 f"{_show(local_rope['rope_type'])} is not implemented; expected default")
+        return (1e6 if "rope_theta" not in sub["full_attention"] else theta), rope, local
+    theta, rope = _rope(d, f, source)
+    if d.get("rope_theta") is None:
+        theta = 1e6  # Gemma 3's default global theta
+    return theta, rope, _Reader(d, source, FAMILY_SCHEMA).get("rope_local_base_freq")
 
 
 def _divisors(n: int) -> str:
@@ -257,6 +377,30 @@ class ModelConfig:
     torch_dtype: torch.dtype
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    # family differences beyond Llama's (defaults: the Llama-shaped decoder); graph/models/llama.py
+    layer_windows: tuple[int | None, ...] = ()  # attention window per layer (None: full); () = none
+    hidden_act: str = "silu"  # the gated MLP's activation: silu | gelu_pytorch_tanh (Gemma)
+    gemma_norms: bool = False  # Gemma: (1 + w) RMSNorms, and a post-norm after attention and MLP too
+    embed_scale: float | None = None  # Gemma: embeddings times sqrt(hidden_size)
+    attn_scale: float | None = None  # Gemma: query_pre_attn_scalar ** -0.5; None: head_dim ** -0.5
+    final_logit_softcapping: float | None = None  # Gemma: cap * tanh(logits / cap)
+    rope_local_theta: float | None = None  # Gemma: the sliding layers' rotary base (plain rotary)
+    rotary_dim: int | None = None  # Phi-4-mini: rotate only the first head dims; None: all of head_dim
+
+    @property
+    def rotary_dims(self) -> int:
+        return self.rotary_dim or self.head_dim
+
+    def layer_window(self, i: int) -> int | None:
+        return self.layer_windows[i] if i < len(self.layer_windows) else None
+
+    @property
+    def llama_structure(self) -> bool:
+        """Whether the layers are the Llama-shaped decoder that graph/fusion.py's patterns describe
+        (no Gemma norms, GeGLU, scales or soft-capping, no partial rotary; windows are allowed: the
+        attention leaf takes them)."""
+        return (not self.gemma_norms and self.hidden_act == "silu" and self.rotary_dim in (None, self.head_dim)
+                and self.embed_scale is None and self.final_logit_softcapping is None)
 
     @classmethod
     def from_dict(cls, d: Any, source: str = "config.json") -> ModelConfig:
@@ -299,10 +443,16 @@ class ModelConfig:
             )
         vocab = f.get("vocab_size")
         max_positions = f.get("max_position_embeddings")
-        rope_theta, rope = _rope(d, f, source)
+        local_theta = None
+        if arch == "Gemma3ForCausalLM":
+            rope_theta, rope, local_theta = _gemma_ropes(d, f, source)
+        else:
+            rope_theta, rope = _rope(d, f, source)
         sliding = None
         if not arch.startswith("Qwen") or f.get("use_sliding_window"):
             sliding = f.get("sliding_window")
+        family = _family_fields(arch, d, source, hidden, head_dim, max_positions, rope)
+        windows = _layer_windows(arch, d, _Reader(d, source, FAMILY_SCHEMA), layers, sliding, source)
         bos = f.get("bos_token_id")
         dtype_name = f.get("torch_dtype") or f.get("dtype") or "float32"
         attention_bias = f.get("attention_bias")
@@ -319,7 +469,9 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope,
             max_position_embeddings=max_positions,
-            tie_word_embeddings=f.get("tie_word_embeddings"),
+            # Gemma 3's configs leave it out: transformers' Gemma3TextConfig defaults it to true
+            tie_word_embeddings=(f.get("tie_word_embeddings") if d.get("tie_word_embeddings") is not None
+                                 else arch == "Gemma3ForCausalLM"),
             qkv_bias=flags["qkv_bias"] or attention_bias,
             o_bias=attention_bias and not arch.startswith("Qwen"),
             mlp_bias=f.get("mlp_bias"),
@@ -328,6 +480,10 @@ class ModelConfig:
             torch_dtype=DTYPES.get(dtype_name.replace("torch.", ""), torch.float32),
             bos_token_id=bos[0] if bos else None,
             eos_token_ids=f.get("eos_token_id") or [],
+            # a window as long as the context never binds (Phi-4-mini's 262144): full attention
+            layer_windows=windows if any(w is not None and w < max_positions for w in windows) else (),
+            rope_local_theta=local_theta,
+            **family,
         )
 
     @classmethod
@@ -365,8 +521,8 @@ class ModelConfig:
 
     def max_model_len(self, requested: int | None) -> int:
         """The context length an engine (and the planner) uses: `requested`, default the model's
-        max_position_embeddings, refused above it, capped to the sliding window (sliding-window
-        attention is not implemented; within the window it is exact)."""
+        max_position_embeddings, refused above it. Sliding-window layers attend within their window
+        (kernels/attention: every backend honours AttentionMetadata windows), so nothing is capped."""
         limit = self.max_position_embeddings
         want = requested or limit
         if want > limit:
@@ -374,8 +530,6 @@ class ModelConfig:
                 f"max_model_len: {want} exceeds the model's max_position_embeddings ({limit}); "
                 f"use max_model_len <= {limit}"
             )
-        if self.sliding_window is not None and want > self.sliding_window:
-            want = self.sliding_window
         return want
 
     def num_params(self) -> int:
@@ -386,6 +540,6 @@ class ModelConfig:
             attn += d * (self.num_heads + 2 * self.num_kv_heads)
         if self.qk_norm:
             attn += 2 * d
-        layer = attn + 3 * h * i + 2 * h
+        layer = attn + 3 * h * i + (4 if self.gemma_norms else 2) * h
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * layer + emb + h

@@ -31,6 +31,10 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "strata"))
 
 FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3")
+# families whose layers differ from Llama's beyond flags (graph/fusion.py refuses them): checked
+# against transformers by tests/graph/test_models_vs_hf.py and tests/engine/test_engine_vs_hf.py
+NEW_FAMILIES = ("gemma3", "phi3", "phi4mini")
+ALL_FAMILIES = FAMILIES + NEW_FAMILIES
 VOCAB = 384
 EOS_ID = 2
 BOS_ID = 1
@@ -84,6 +88,28 @@ def _build_hf(family: str, vocab_size: int = VOCAB):
             tie_word_embeddings=True, use_sliding_window=False,
         )
         cls = tf.Qwen3ForCausalLM
+    elif family == "gemma3":  # sliding (window 8) / global layers, local rope base, soft-capped logits
+        cfg = tf.Gemma3TextConfig(
+            **dict(common, num_hidden_layers=3), num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+            sliding_window=8, sliding_window_pattern=2, query_pre_attn_scalar=24, final_logit_softcapping=30.0,
+            rope_theta=1000000.0, rope_local_base_freq=10000.0, pad_token_id=0,
+        )
+        cls = tf.Gemma3ForCausalLM
+    elif family == "phi3":  # fused qkv / gate_up checkpoint, every layer slides (window 20 > a block)
+        cfg = tf.Phi3Config(**common, num_attention_heads=4, num_key_value_heads=2, sliding_window=20,
+                            pad_token_id=0, original_max_position_embeddings=256)
+        cls = tf.Phi3ForCausalLM
+    elif family in ("phi4mini", "phi4mini-long"):  # partial rotary 0.75, longrope, tied embeddings
+        # phi4mini: pre-training length = max positions, so the short factors apply to every length;
+        # phi4mini-long: pre-trained on 32 positions, so prompts past 32 use the long factors
+        orig = 32 if family == "phi4mini-long" else common["max_position_embeddings"]
+        cfg = tf.Phi3Config(
+            **common, num_attention_heads=4, num_key_value_heads=2, partial_rotary_factor=0.75,
+            tie_word_embeddings=True, pad_token_id=0, original_max_position_embeddings=orig,
+            rope_scaling={"rope_type": "longrope", "short_factor": [1.0 + 0.15 * i for i in range(6)],
+                          "long_factor": [1.5 + 0.5 * i for i in range(6)]},
+        )
+        cls = tf.Phi3ForCausalLM
     else:
         raise ValueError(family)
     cfg._attn_implementation = "eager"
@@ -136,11 +162,17 @@ def make_tiny_model(family: str, out: Path, seed: int = 0, vocab_size: int = VOC
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, TinyModel]:
     root = tmp_path_factory.mktemp("models")
-    return {f: make_tiny_model(f, root / f, seed=i) for i, f in enumerate(FAMILIES)}
+    return {f: make_tiny_model(f, root / f, seed=i) for i, f in enumerate(ALL_FAMILIES)}
 
 
 @pytest.fixture(params=FAMILIES)
 def tiny_model(request, tiny_models) -> TinyModel:
+    return tiny_models[request.param]
+
+
+@pytest.fixture(params=ALL_FAMILIES)
+def family_model(request, tiny_models) -> TinyModel:
+    """Every supported family (the Llama-shaped ones and Gemma 3 / Phi-3 / Phi-4-mini)."""
     return tiny_models[request.param]
 
 

@@ -19,6 +19,7 @@ import torch
 import torch.fx as fx
 from torch import Tensor
 
+from strata.errors import ConfigError
 from strata.graph.fusion import dce, fuse_model
 from strata.graph.layers import Linear
 from strata.kernels.attention import AttentionMetadata, attend_cached
@@ -124,6 +125,12 @@ def lower_for_compile(gm: fx.GraphModule, device_type: str = "cpu") -> fx.GraphM
                 b = graph.get_attr(f"{n.target}.bias") if mod.bias is not None else None
                 new = graph.call_function(torch.ops.strata.linear.default, (n.args[0], w, b))
         elif n.op == "call_function" and n.target is attend_cached:
+            if len(n.args) > 6 or "window" in n.kwargs:
+                raise ConfigError(
+                    "--compile: the compiled decode step (strata::paged_decode) has no sliding-window "
+                    "attention and this model has windowed layers; run without --compile (the eager step "
+                    "and --fuse honour the window)"
+                )
             q, _k, _v, kv_cache, meta, scale = n.args
             with graph.inserting_before(n):
                 new = graph.call_function(_decode_attention, (q, kv_cache, meta, scale))

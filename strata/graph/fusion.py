@@ -59,6 +59,7 @@ import torch.fx as fx
 from torch import Tensor, nn
 from torch.fx.subgraph_rewriter import replace_pattern_with_filters
 
+from strata.errors import ConfigError
 from strata.graph.fused_ops import register_gpu_kernels
 from strata.graph.fusion_patterns import (
     ANY_EPS,
@@ -385,6 +386,13 @@ class FusedStep:
 def fuse_model(model: CausalLM, patterns: tuple[str, ...] = PATTERNS) -> FusedStep:
     """Trace `model`'s engine step and apply the fusion passes (all by default). The model itself
     is not changed; the returned step shares its modules and parameters."""
+    cfg = model.config
+    if not cfg.llama_structure:
+        raise ConfigError(
+            f"--fuse / --compile: the FX fusion passes describe the Llama-shaped layers; {cfg.architecture} "
+            "(Gemma norms, GeGLU, partial rotary or soft-capping) is not one of them: run without --fuse "
+            "and --compile (the eager step is the default)"
+        )
     _register_gpu_kernels_once()
     with TRACE_GATE.exclusive():
         gm = trace_model(model)

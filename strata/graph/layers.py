@@ -49,6 +49,23 @@ class RMSNorm(nn.Module):
         return out if residual is None else (out, residual)
 
 
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: the weight is stored as an offset from 1 (scale = 1 + w), computed in fp32
+    and cast back after scaling, exactly as transformers' Gemma3RMSNorm; `forward(x, residual)`
+    adds the residual first, like RMSNorm."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__(dim, eps)
+        nn.init.zeros_(self.weight)
+
+    def forward(self, x, residual=None):
+        if residual is not None:
+            x = x + residual
+            residual = x
+        out = F.rms_norm(x.float(), (x.shape[-1],), 1.0 + self.weight.float(), self.eps).to(x.dtype)
+        return out if residual is None else (out, residual)
+
+
 def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
     factor = s["factor"]
     low, high = s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
@@ -62,8 +79,19 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
+def _longrope_inv_freq(inv_freq: torch.Tensor, s: dict, max_positions: int) -> torch.Tensor:
+    """Phi-3's longrope: per-frequency divisors, the long set when the engine's context exceeds the
+    pre-training length (transformers picks it when the sequence does: the two agree for every
+    sequence when max_model_len <= original_max_position_embeddings, and for every sequence longer
+    than it otherwise)."""
+    long = max_positions > s["original_max_position_embeddings"]
+    factors = torch.tensor(s["long_factor" if long else "short_factor"], dtype=torch.float32, device=inv_freq.device)
+    return inv_freq / factors
+
+
 class RotaryEmbedding(nn.Module):
-    """Non-interleaved (rotate-half) rotary embedding with a precomputed cos/sin table."""
+    """Non-interleaved (rotate-half) rotary embedding with a precomputed cos/sin table; `head_dim`
+    is the rotated width (Phi-4-mini rotates only the first dims of each head)."""
 
     def __init__(
         self, head_dim: int, max_positions: int, theta: float, scaling: dict | None
@@ -84,11 +112,14 @@ class RotaryEmbedding(nn.Module):
                 inv_freq = inv_freq / self.scaling["factor"]
             elif self.scaling["rope_type"] == "llama3":
                 inv_freq = _llama3_inv_freq(inv_freq, self.scaling)
+            elif self.scaling["rope_type"] == "longrope":
+                inv_freq = _longrope_inv_freq(inv_freq, self.scaling, self.max_positions)
         pos = torch.arange(self.max_positions, dtype=torch.float32, device=cpu)
         freqs = pos[:, None] * inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
-        self.cos = emb.cos().to(device or cpu)
-        self.sin = emb.sin().to(device or cpu)
+        gain = (self.scaling or {}).get("attention_factor") or 1.0  # longrope scales cos and sin
+        self.cos = (emb.cos() * gain).to(device or cpu)
+        self.sin = (emb.sin() * gain).to(device or cpu)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin at `positions` [..., T] as [..., T, 1, head_dim]; looked up once per step."""
@@ -106,16 +137,27 @@ def apply_rotary(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> to
     return x * cos + rotated * sin
 
 
-class GatedMLP(nn.Module):
-    """SwiGLU MLP with gate and up projections fused into one matmul."""
+def apply_partial_rotary(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], dims: int) -> torch.Tensor:
+    """Rotate only the first `dims` of each head (Phi-4-mini's partial_rotary_factor); the rest pass."""
+    return torch.cat((apply_rotary(x[..., :dims], rope), x[..., dims:]), dim=-1)
 
-    def __init__(self, hidden: int, intermediate: int, bias: bool) -> None:
+
+class GatedMLP(nn.Module):
+    """Gated MLP, act(gate) * up, with gate and up projections fused into one matmul: SwiGLU (silu),
+    or GeGLU with tanh-approximated gelu (Gemma's gelu_pytorch_tanh)."""
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool, act: str = "silu") -> None:
         super().__init__()
         self.intermediate = intermediate
+        self.act = act
         self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=bias)
         self.down_proj = Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.act != "silu":
+            gate_up = self.gate_up_proj(x)
+            gate, up = gate_up[..., : self.intermediate], gate_up[..., self.intermediate :]
+            return self.down_proj(F.gelu(gate, approximate="tanh") * up)
         fused = self.gate_up_proj.swiglu(x)  # Linear or a quantised stand-in (memory/quant.py)
         if fused is not None:
             return self.down_proj(fused)

@@ -76,7 +76,8 @@ def model_bytes(cfg: ModelConfig, dtype: torch.dtype, max_positions: int | None 
     """Bytes the loaded model holds: its weights in `dtype` plus the rotary cos/sin tables (fp32,
     graph/layers.py), which are allocated when the model is built."""
     positions = max_positions or cfg.max_position_embeddings
-    return weight_bytes(cfg, dtype) + 2 * positions * 2 * (-(-cfg.head_dim // 2)) * 4
+    tables = 2 if cfg.rope_local_theta is not None else 1  # Gemma 3: a second table for its local layers
+    return weight_bytes(cfg, dtype) + tables * 2 * positions * 2 * (-(-cfg.rotary_dims // 2)) * 4
 
 
 def check_weights_fit(
@@ -112,10 +113,15 @@ def checkpoint_targets(model: CausalLM, cfg: ModelConfig) -> dict[str, _Target]:
     if not cfg.tie_word_embeddings:
         t["lm_head.weight"] = _Target(model.lm_head.weight, None)
     q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    # Phi-3's checkpoints fuse q/k/v and gate/up already (in our order): whole tensors, not slices
+    fused = cfg.architecture == "Phi3ForCausalLM"
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}."
         attn, mlp = layer.self_attn, layer.mlp
         qkv_rows = {"q": slice(0, q), "k": slice(q, q + kv), "v": slice(q + kv, q + 2 * kv)}
+        if fused:
+            t[f"{p}self_attn.qkv_proj.weight"] = _Target(attn.qkv_proj.weight, None)
+            qkv_rows = {}
         for name, rows in qkv_rows.items():
             t[f"{p}self_attn.{name}_proj.weight"] = _Target(attn.qkv_proj.weight, rows)
             if cfg.qkv_bias:
@@ -126,7 +132,11 @@ def checkpoint_targets(model: CausalLM, cfg: ModelConfig) -> dict[str, _Target]:
         if cfg.qk_norm:
             t[f"{p}self_attn.q_norm.weight"] = _Target(attn.q_norm.weight, None)
             t[f"{p}self_attn.k_norm.weight"] = _Target(attn.k_norm.weight, None)
-        for name, rows in {"gate": slice(0, inter), "up": slice(inter, 2 * inter)}.items():
+        gate_up_rows = {"gate": slice(0, inter), "up": slice(inter, 2 * inter)}
+        if fused:
+            t[f"{p}mlp.gate_up_proj.weight"] = _Target(mlp.gate_up_proj.weight, None)
+            gate_up_rows = {}
+        for name, rows in gate_up_rows.items():
             t[f"{p}mlp.{name}_proj.weight"] = _Target(mlp.gate_up_proj.weight, rows)
             if cfg.mlp_bias:
                 t[f"{p}mlp.{name}_proj.bias"] = _Target(mlp.gate_up_proj.bias, rows)
@@ -135,6 +145,9 @@ def checkpoint_targets(model: CausalLM, cfg: ModelConfig) -> dict[str, _Target]:
             t[f"{p}mlp.down_proj.bias"] = _Target(mlp.down_proj.bias, None)
         t[f"{p}input_layernorm.weight"] = _Target(layer.input_layernorm.weight, None)
         t[f"{p}post_attention_layernorm.weight"] = _Target(layer.post_attention_layernorm.weight, None)
+        if cfg.gemma_norms:
+            for name in ("pre_feedforward_layernorm", "post_feedforward_layernorm"):
+                t[f"{p}{name}.weight"] = _Target(getattr(layer, name).weight, None)
     return t
 
 
@@ -210,5 +223,7 @@ def load_model(
     if unexpected:
         logger.warning("ignored %d unexpected tensor(s), e.g. %s", len(unexpected), unexpected[0])
     model.rotary.init_tables(device)
+    if model.rotary_local is not None:
+        model.rotary_local.init_tables(device)
     model.eval()
     return model

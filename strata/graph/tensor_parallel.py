@@ -86,6 +86,11 @@ def check_shardable(cfg: ModelConfig, world_size: int) -> None:
         raise ConfigError(f"tensor_parallel_size = {tp!r}: expected an integer >= 1")
     if tp == 1:
         return
+    if not cfg.llama_structure or cfg.architecture == "Phi3ForCausalLM":
+        raise ConfigError(
+            f"tensor_parallel_size = {tp}: tensor parallelism is built and checked for the Llama, Mistral "
+            f"and Qwen families; {cfg.architecture} is not sharded yet: use tensor_parallel_size 1"
+        )
     if cfg.num_heads % tp:
         raise ConfigError(
             f"tensor_parallel_size = {tp}: num_attention_heads = {cfg.num_heads} is not divisible by "

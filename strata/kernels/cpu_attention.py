@@ -30,7 +30,7 @@ def available() -> bool:
 if numba is not None:
 
     @njit(parallel=True, fastmath=True, cache=True)
-    def _paged_decode(q, k_cache, v_cache, tables, lens, scale, out):  # pragma: no cover - compiled
+    def _paged_decode(q, k_cache, v_cache, tables, lens, scale, window, out):  # pragma: no cover - compiled
         batch, heads, dim = q.shape
         block = k_cache.shape[1]
         kv_heads = k_cache.shape[2]
@@ -38,12 +38,13 @@ if numba is not None:
         for item in prange(batch * kv_heads):
             b = item // kv_heads
             kh = item % kv_heads
-            length = lens[b]
+            first = 0 if window <= 0 else max(0, lens[b] - window)  # sliding window: the last `window` keys
+            length = lens[b] - first
             h0 = kh * group
             scores = np.empty((group, length), np.float32)
             for t in range(length):
-                blk = tables[b, t // block]
-                off = t % block
+                blk = tables[b, (first + t) // block]
+                off = (first + t) % block
                 for g in range(group):
                     s = np.float32(0.0)
                     for d in range(dim):
@@ -62,8 +63,8 @@ if numba is not None:
                 for t in range(length):
                     scores[g, t] /= total
             for t in range(length):
-                blk = tables[b, t // block]
-                off = t % block
+                blk = tables[b, (first + t) // block]
+                off = (first + t) % block
                 for g in range(group):
                     p = scores[g, t]
                     for d in range(dim):
@@ -87,14 +88,15 @@ def usable(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
 @kernel("paged_decode")
 def paged_decode(
     q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
-    scale: float,
+    scale: float, window: int | None = None,
 ) -> torch.Tensor:
-    """q [B, heads, d] over the paged cache [2, blocks, block_size, kv_heads, d] -> [B, heads * d]."""
+    """q [B, heads, d] over the paged cache [2, blocks, block_size, kv_heads, d] -> [B, heads * d];
+    `window`: attend only to each sequence's last `window` tokens (None: all)."""
     q = q.contiguous()
     out = torch.empty_like(q)
     cpu_gemv.sync_threads()
     _paged_decode(
         q.numpy(), kv_cache[0].numpy(), kv_cache[1].numpy(), block_tables.numpy(),
-        context_lens.numpy(), np.float32(scale), out.numpy(),
+        context_lens.numpy(), np.float32(scale), np.int64(window or 0), out.numpy(),
     )
     return out.view(q.shape[0], -1)

@@ -16,30 +16,30 @@ GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW)
 MIXED_LENGTHS = (3, 60, 17, 33, 8)
 
 
-def test_single_request_greedy(tiny_model, llm_factory, hf_ref, prompt_of, engine_clean):
-    llm = llm_factory(tiny_model)
+def test_single_request_greedy(family_model, llm_factory, hf_ref, prompt_of, engine_clean):
+    llm = llm_factory(family_model)
     prompt = prompt_of(100, 21)
     out = llm.generate(prompt, GREEDY, use_tqdm=False)
     assert len(out) == 1
     comp = out[0].outputs[0]
-    ref = hf_ref(tiny_model, prompt, MAX_NEW)
+    ref = hf_ref(family_model, prompt, MAX_NEW)
     assert comp.token_ids == ref
-    assert comp.finish_reason == ("stop" if ref[-1] in tiny_model.eos_ids else "length")
+    assert comp.finish_reason == ("stop" if ref[-1] in family_model.eos_ids else "length")
     assert out[0].finished and out[0].num_preemptions == 0
     engine_clean(llm)
 
 
-def test_batch_with_chunking_and_preemption(tiny_model, llm_factory, hf_ref, prompt_of, engine_clean):
+def test_batch_with_chunking_and_preemption(family_model, llm_factory, hf_ref, prompt_of, engine_clean):
     """5 mixed-length prompts, budget 16 tokens/step, KV cache = one max_model_len sequence."""
     llm = llm_factory(
-        tiny_model, max_num_batched_tokens=16, kv_cache_memory=tiny_model.kv_bytes_for(96)
+        family_model, max_num_batched_tokens=16, kv_cache_memory=family_model.kv_bytes_for(96)
     )
     assert llm.engine.block_manager.num_blocks == 6
     prompts = [prompt_of(200 + i, n) for i, n in enumerate(MIXED_LENGTHS)]
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.prompt_token_ids for o in outs] == prompts  # input order
     for i, (p, o) in enumerate(zip(prompts, outs)):
-        assert o.outputs[0].token_ids == hf_ref(tiny_model, p, MAX_NEW), f"prompt {i} (len {len(p)})"
+        assert o.outputs[0].token_ids == hf_ref(family_model, p, MAX_NEW), f"prompt {i} (len {len(p)})"
     assert llm.engine.scheduler.num_preemptions > 0
     assert sum(o.num_preemptions for o in outs) == llm.engine.scheduler.num_preemptions
     engine_clean(llm)

@@ -19,7 +19,7 @@ from typing import ClassVar
 
 import torch
 
-from strata.kernels.attention.common import PrefillSpan, prefill_span, sdpa_attend
+from strata.kernels.attention.common import PrefillSpan, gathered_decode, prefill_span, sdpa_attend
 
 
 class AttentionBackend:
@@ -39,18 +39,28 @@ class AttentionBackend:
 
     def prefill(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, span: PrefillSpan,
-        scale: float,
+        scale: float, window: int | None = None,
     ) -> torch.Tensor:
-        """One prefill chunk of the step's flattened q/k/v [T, heads, d] -> [n, heads * d]."""
-        return prefill_span(q, k, v, kv_cache, span, scale, self.attend)
+        """One prefill chunk of the step's flattened q/k/v [T, heads, d] -> [n, heads * d]; `window`:
+        the layer's sliding attention window (None: full causal attention)."""
+        return prefill_span(q, k, v, kv_cache, span, scale, self.attend, window)
 
     def decode(
         self, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-        context_lens: torch.Tensor | None, mask: torch.Tensor | None, scale: float,
+        context_lens: torch.Tensor | None, mask: torch.Tensor | None, scale: float, window: int | None = None,
     ) -> torch.Tensor:
         """Decode queries q [B, heads, d] over the paged cache -> [B, heads * d]. `mask` is the
-        padding mask when `uses_decode_mask`, else None; `context_lens` counts the new token."""
+        padding mask when `uses_decode_mask`, else None; `context_lens` counts the new token;
+        `window`: attend only to the last `window` tokens (None: all of them)."""
         raise NotImplementedError
+
+    def windowed_decode(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+        scale: float, window: int,
+    ) -> torch.Tensor:
+        """Sliding-window decode for a backend whose kernel has no window (triton): the gathered
+        path with the window mask, in this backend's attention math."""
+        return gathered_decode(q, kv_cache, block_tables, None, scale, self.attend, context_lens, window)
 
     def fused_decode_usable(self, qkv: torch.Tensor, kv_cache: torch.Tensor) -> bool:
         """Whether an all-decode step may run `fused_decode` on these tensors."""
@@ -59,7 +69,7 @@ class AttentionBackend:
     def fused_decode(
         self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor,
         slots: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
-        heads: int, kv_heads: int, scale: float,
+        heads: int, kv_heads: int, scale: float, window: int | None = None,
     ) -> torch.Tensor:
         """Rotary of q and k from the fused qkv rows, the KV write at `slots`, then decode."""
         raise NotImplementedError(f"attention backend {self.name!r} has no fused decode")

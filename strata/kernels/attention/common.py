@@ -66,12 +66,20 @@ def reference_attend(
     return torch.matmul(scores.softmax(-1), v.float()).to(q.dtype)
 
 
+def window_mask(positions: torch.Tensor, keys: torch.Tensor, window: int) -> torch.Tensor:
+    """[rows, L] bool: key j is visible to the query at position p iff p - window < j <= p (a
+    sliding window of `window` tokens, the query's own included, as transformers masks it)."""
+    return (keys[None, :] <= positions[:, None]) & (keys[None, :] > positions[:, None] - window)
+
+
 def prefill_span(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, span: PrefillSpan,
-    scale: float, attend: AttendFn,
+    scale: float, attend: AttendFn, window: int | None = None,
 ) -> torch.Tensor:
     """One prefill chunk: its queries over its own new k/v (fresh prompt) or over the cached context
-    plus the chunk (gathered from the blocks); returns [n, heads * head_dim]."""
+    plus the chunk (gathered from the blocks); returns [n, heads * head_dim]. With a sliding
+    `window`, each query sees only the last `window` keys up to itself (keys no query of the chunk
+    can see are not attended over at all)."""
     n = span.end - span.start
     kv_heads = k.shape[1]
     group = q.shape[1] // kv_heads
@@ -81,21 +89,32 @@ def prefill_span(
     else:
         ks, vs = gather_kv(kv_cache, span.block_table)
         ks, vs = ks[: span.context_len + n], vs[: span.context_len + n]
+    mask = span.mask
+    if window is not None and span.context_len + n > window:
+        first = max(0, span.context_len - window + 1)  # the oldest key the chunk's first query sees
+        positions = torch.arange(span.context_len, span.context_len + n, device=q.device)
+        mask = window_mask(positions, torch.arange(first, span.context_len + n, device=q.device), window)
+        ks, vs = ks[first:], vs[first:]
     ks = ks.transpose(0, 1).unsqueeze(1).expand(-1, group, -1, -1)
     vs = vs.transpose(0, 1).unsqueeze(1).expand(-1, group, -1, -1)
-    out = attend(qs, ks, vs, span.mask, span.mask is None, scale)  # [kvh, g, n, d]
+    out = attend(qs, ks, vs, mask, mask is None, scale)  # [kvh, g, n, d]
     return out.permute(2, 0, 1, 3).reshape(n, -1)
 
 
 def gathered_decode(
     q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, mask: torch.Tensor | None,
-    scale: float, attend: AttendFn,
+    scale: float, attend: AttendFn, context_lens: torch.Tensor | None = None, window: int | None = None,
 ) -> torch.Tensor:
     """Decode by gathering every sequence's blocks into a padded copy and attending over it with
-    the padding mask [B, 1, 1, max_blocks * block_size]; returns [B, heads * head_dim]."""
+    the padding mask [B, 1, 1, max_blocks * block_size] (built from `context_lens` when None);
+    a sliding `window` also masks the keys older than the last `window`. Returns [B, heads * head_dim]."""
     b, heads, head_dim = q.shape
     kv_heads = kv_cache.shape[-2]
     qd = q.view(b, kv_heads, heads // kv_heads, head_dim)
     ks, vs = gather_kv(kv_cache, block_tables)  # [B, L, kvh, d]
+    if window is not None or mask is None:
+        keys = torch.arange(ks.shape[1], device=q.device)
+        mask = (window_mask(context_lens - 1, keys, window) if window is not None
+                else keys[None, :] < context_lens[:, None]).view(b, 1, 1, -1)
     out = attend(qd, ks.transpose(1, 2), vs.transpose(1, 2), mask, False, scale)
     return out.reshape(b, heads * head_dim)

@@ -23,14 +23,14 @@ class CpuBackend(AttentionBackend):
             return None
         return "needs numba, device cpu and dtype float32"
 
-    def decode(self, q, kv_cache, block_tables, context_lens, mask, scale) -> torch.Tensor:
-        return cpu_attention.paged_decode(q, kv_cache, block_tables, context_lens, scale)
+    def decode(self, q, kv_cache, block_tables, context_lens, mask, scale, window=None) -> torch.Tensor:
+        return cpu_attention.paged_decode(q, kv_cache, block_tables, context_lens, scale, window)
 
     def fused_decode_usable(self, qkv: torch.Tensor, kv_cache: torch.Tensor) -> bool:
         return cpu_rope.usable(qkv, kv_cache)
 
     def fused_decode(
-        self, qkv, rope, kv_cache, slots, block_tables, context_lens, heads, kv_heads, scale,
+        self, qkv, rope, kv_cache, slots, block_tables, context_lens, heads, kv_heads, scale, window=None,
     ) -> torch.Tensor:
         q = cpu_rope.rope_and_store(qkv, rope, slots, kv_cache, heads, kv_heads)
-        return cpu_attention.paged_decode(q, kv_cache, block_tables, context_lens, scale)
+        return cpu_attention.paged_decode(q, kv_cache, block_tables, context_lens, scale, window)

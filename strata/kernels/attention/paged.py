@@ -17,23 +17,33 @@ from strata.kernels.attention.registry import resolve_backend
 from strata.kernels.dispatch import KERNEL_MODE
 
 
-def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def decode_attention(
+    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None = None,
+) -> torch.Tensor:
     """The decode rows q [B, heads, d] of a step over the paged cache -> [B, heads * d]."""
-    return meta.backend.decode(q, kv_cache, meta.decode_block_tables, meta.decode_context_lens, meta.decode_mask, scale)
+    if window is None:  # the call every backend (and the compiled step's strata::paged_decode) knows
+        return meta.backend.decode(q, kv_cache, meta.decode_block_tables, meta.decode_context_lens,
+                                   meta.decode_mask, scale)
+    return meta.backend.decode(q, kv_cache, meta.decode_block_tables, meta.decode_context_lens, meta.decode_mask,
+                               scale, window)
 
 
 def attend_cached(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-    scale: float,
+    scale: float, window: int | None = None,
 ) -> torch.Tensor:
-    """Attention of the step's queries once its k/v are in the cache; returns [T, heads * head_dim]."""
+    """Attention of the step's queries once its k/v are in the cache; returns [T, heads * head_dim].
+    `window`: the layer's sliding attention window in tokens (None: full causal attention)."""
     backend = meta.backend
     p = meta.num_prefill_tokens
     if p == 0:
-        return decode_attention(q, kv_cache, meta, scale)
-    parts = [backend.prefill(q, k, v, kv_cache, s, scale) for s in meta.prefills]
+        return decode_attention(q, kv_cache, meta, scale, window)
+    if window is None:
+        parts = [backend.prefill(q, k, v, kv_cache, s, scale) for s in meta.prefills]
+    else:
+        parts = [backend.prefill(q, k, v, kv_cache, s, scale, window) for s in meta.prefills]
     if p < q.shape[0]:
-        parts.append(decode_attention(q[p:], kv_cache, meta, scale))
+        parts.append(decode_attention(q[p:], kv_cache, meta, scale, window))
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
 
@@ -58,12 +68,12 @@ def fused_decode_usable(qkv: torch.Tensor, kv_cache: torch.Tensor, meta: Attenti
 
 def fused_decode_attention(
     qkv: torch.Tensor, rope, kv_cache: torch.Tensor, meta: AttentionMetadata,
-    heads: int, kv_heads: int, scale: float,
+    heads: int, kv_heads: int, scale: float, window: int | None = None,
 ) -> torch.Tensor:
     """Decode from the fused qkv projection: rotate + store, then paged attention (the backend's)."""
     return meta.backend.fused_decode(
         qkv, rope, kv_cache, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens,
-        heads, kv_heads, scale,
+        heads, kv_heads, scale, window,
     )
 
 

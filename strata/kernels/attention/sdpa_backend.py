@@ -12,5 +12,5 @@ class SdpaBackend(AttentionBackend):
     name = "sdpa"
     uses_decode_mask = True
 
-    def decode(self, q, kv_cache, block_tables, context_lens, mask, scale) -> torch.Tensor:
-        return gathered_decode(q, kv_cache, block_tables, mask, scale, sdpa_attend)
+    def decode(self, q, kv_cache, block_tables, context_lens, mask, scale, window=None) -> torch.Tensor:
+        return gathered_decode(q, kv_cache, block_tables, mask, scale, sdpa_attend, context_lens, window)

@@ -15,5 +15,5 @@ class TorchBackend(AttentionBackend):
     def attend(self, q, k, v, mask, causal, scale) -> torch.Tensor:
         return reference_attend(q, k, v, mask, causal, scale)
 
-    def decode(self, q, kv_cache, block_tables, context_lens, mask, scale) -> torch.Tensor:
-        return gathered_decode(q, kv_cache, block_tables, mask, scale, reference_attend)
+    def decode(self, q, kv_cache, block_tables, context_lens, mask, scale, window=None) -> torch.Tensor:
+        return gathered_decode(q, kv_cache, block_tables, mask, scale, reference_attend, context_lens, window)

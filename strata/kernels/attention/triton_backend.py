@@ -21,7 +21,9 @@ class TritonBackend(AttentionBackend):
 
         return None if available() else reason
 
-    def decode(self, q, kv_cache, block_tables, context_lens, mask, scale) -> torch.Tensor:
+    def decode(self, q, kv_cache, block_tables, context_lens, mask, scale, window=None) -> torch.Tensor:
+        if window is not None:  # the split-K kernel has no window: the gathered path masks it
+            return self.windowed_decode(q, kv_cache, block_tables, context_lens, scale, window)
         from strata.kernels.triton.paged_attention import paged_decode_attention  # lazy: see above
 
         return paged_decode_attention(q, kv_cache, block_tables, context_lens, scale)
