@@ -86,12 +86,17 @@ def _pct(xs: list[float], q: float) -> float:
     return float(np.percentile(xs, q)) if xs else float("nan")
 
 
-def analyze_engine(engine, w: Workload, profile=None) -> Analysis:
-    """Run `w` on `engine` and analyse it against this machine's measured roofline."""
+def analyze_engine(engine, w: Workload, profile=None, progress=None) -> Analysis:
+    """Run `w` on `engine` and analyse it against this machine's measured roofline.
+    progress: called with a line as each phase starts (`strata analyze` prints them), and turns on
+    the run's progress bar."""
     from strata.analyze import cost_model
     from strata.hardware.probe import probe
 
-    profile = profile or probe(engine.config.device)
+    say = progress or (lambda _msg: None)
+    if profile is None:
+        say("reading this machine's measured rates (strata hw; measured once, then cached)")
+        profile = probe(engine.config.device)
     quant = engine.config.quantization
     group = engine.config.quantization_group_size
     shape = cost_model.ModelShape.of(engine.model_config, engine.dtype, quant, group)
@@ -105,8 +110,11 @@ def analyze_engine(engine, w: Workload, profile=None) -> Analysis:
             ctx["int8_shape"] = cost_model.ModelShape.of(engine.model_config, engine.dtype, "int8", group)
         except Exception:  # a profile without quantised rates: no int8 action
             ctx["int8_dev"] = None
+    say("warming up the engine")
     engine.warm_up()
-    m = run_offline(engine, w)
+    say(f"running {w.num_prompts} requests (one step in {PROFILE_EVERY} under the profiler)")
+    m = run_offline(engine, w, progress=progress is not None)
+    say("attributing the time and comparing each phase with the planner")
     cats = attribute(m)
     ph = phases(m, shape, dev)
     layers: dict[str, float] = {}

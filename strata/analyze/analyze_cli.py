@@ -107,11 +107,15 @@ def cmd_analyze(args: argparse.Namespace) -> int:
 
     w = Workload(args.num_prompts, parse_range(args.input_len, "--input-len"),
                  parse_range(args.output_len, "--output-len"), args.seed)
+    def say(msg: str) -> None:
+        print(f"strata analyze: {msg} ...", file=sys.stderr, flush=True)
+
+    say("loading the model")
     engine = LLMEngine(EngineArgs.from_cli_args(args).create_engine_config())
-    print(f"analyzing {args.num_prompts} requests on {engine.model_path} ...", file=sys.stderr)
-    analysis = analyze_engine(engine, w)
+    analysis = analyze_engine(engine, w, progress=say)
     print(format_text(analysis))
     if args.html:
+        say("drawing the HTML report")
         with open(args.html, "w", encoding="utf-8") as f:
             f.write(format_html(analysis))
         print(f"wrote {args.html}", file=sys.stderr)

@@ -1,11 +1,12 @@
-"""`strata analyze` output: a text report, and a self-contained HTML page with inline SVG charts."""
+"""`strata analyze` output: a text report, and a self-contained HTML page with inline SVG charts
+(analyze/charts.py: matplotlib)."""
 
 from __future__ import annotations
 
 import html
 import math
 
-from strata.analyze import svg
+from strata.analyze import charts
 from strata.analyze.analyze import CATEGORY_LABELS, Analysis
 
 
@@ -44,30 +45,6 @@ def format_text(a: Analysis) -> str:
     return "\n".join(out)
 
 
-def _histogram(values_s: list[float], title: str, bins: int = 20, width: int = 640, height: int = 180) -> str:
-    """A plain SVG histogram of latencies (ms)."""
-    vals = [v * 1000 for v in values_s if math.isfinite(v)]
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" viewBox="0 0 {width} {height}">',
-           f'<text x="8" y="14" {svg.FONT} font-weight="bold">{html.escape(title)}</text>']
-    if vals:
-        lo, hi = min(vals), max(vals)
-        span = (hi - lo) or 1.0
-        counts = [0] * bins
-        for v in vals:
-            counts[min(bins - 1, int((v - lo) / span * bins))] += 1
-        top = max(counts)
-        pw, ph, x0, y0 = width - 60, height - 50, 40, 24
-        bw = pw / bins
-        for i, c in enumerate(counts):
-            h = ph * c / top
-            out.append(f'<rect x="{x0 + i * bw:.1f}" y="{y0 + ph - h:.1f}" width="{bw - 1:.1f}" height="{h:.1f}" '
-                       f'fill="{svg.PALETTE[0]}"><title>{c}</title></rect>')
-        out.append(f'<text x="{x0}" y="{height - 8}" {svg.FONT}>{lo:.1f} ms</text>')
-        out.append(f'<text x="{x0 + pw - 60}" y="{height - 8}" {svg.FONT}>{hi:.1f} ms</text>')
-    out.append("</svg>")
-    return "\n".join(out)
-
-
 def format_html(a: Analysis) -> str:
     dev = a.device
     ceilings = [(f"GEMM {dev['gemm_gflops']:.0f} GFLOP/s", dev["gemm_gflops"] * 1e9),
@@ -75,11 +52,11 @@ def format_html(a: Analysis) -> str:
     bands = [(f"DRAM {dev['mem_gbs']:.0f} GB/s", dev["mem_gbs"] * 1e9),
              (f"GEMV stream {dev['stream_gbs']:.0f} GB/s", dev["stream_gbs"] * 1e9)]
     points = [(p.name, p.intensity, p.flops / p.seconds) for p in a.phases if p.seconds > 0 and p.intensity > 0]
-    roof = svg.roofline(ceilings, bands, points, title="Roofline: measured phases on this machine") if points else ""
+    roof = charts.roofline(ceilings, bands, points, title="Roofline: measured phases on this machine") if points else ""
     cats = [(CATEGORY_LABELS[c], s) for c, s in a.categories.items() if s > 0]
-    bar = svg.stacked_bar(cats, title="Wall time by category", fmt=lambda v: f"{v:.2f}s")
+    bar = charts.stacked_bar(cats, title="Wall time by category", fmt=lambda v: f"{v:.2f}s")
     r = a.requests
-    req_bar = svg.stacked_bar([("tokenize", r["mean_tokenize_s"]), ("queue", r["mean_queue_s"]),
+    req_bar = charts.stacked_bar([("tokenize", r["mean_tokenize_s"]), ("queue", r["mean_queue_s"]),
                                ("prefill", r["mean_prefill_s"]), ("decode", r["mean_decode_s"])],
                               title="Mean request latency by stage", fmt=lambda v: f"{v * 1000:.0f}ms")
     text = html.escape(format_text(a))
@@ -90,5 +67,6 @@ def format_html(a: Analysis) -> str:
             f"{html.escape(a.verdict.evidence)}</p>"
             + "<ol>" + "".join(f"<li><code>{html.escape(x.flag)}</code>: {html.escape(x.why)} "
                                f"(predicted: {html.escape(x.predicted_gain)})</li>" for x in a.verdict.actions) + "</ol>"
-            + roof + bar + req_bar + _histogram(a.ttft_s, "TTFT distribution") + _histogram(a.tpot_s, "TPOT distribution")
+            + roof + bar + req_bar + charts.distribution([v * 1000 for v in a.ttft_s], "TTFT")
+            + charts.distribution([v * 1000 for v in a.tpot_s], "TPOT")
             + f"<h2>Report</h2><pre>{text}</pre></body></html>")

@@ -103,9 +103,12 @@ def _prompts(engine, w: Workload) -> list[tuple[str | None, list[int]]]:
     return out
 
 
-def run_offline(engine, w: Workload) -> Measurement:
-    """All requests arrive at once; the engine steps until they finish, instrumented."""
-    from strata.kernels.profile import named_kernels
+def run_offline(engine, w: Workload, progress: bool = False) -> Measurement:
+    """All requests arrive at once; the engine steps until they finish, instrumented.
+    progress: a bar of finished requests on stderr (its updates are outside the timed steps)."""
+    from tqdm.auto import tqdm
+
+    from strata.kernels.profile import named_kernels, quiet_profile
     from strata.server.tokenizer_worker import tokenize
 
     rng = np.random.default_rng(w.seed + 1)
@@ -131,6 +134,7 @@ def run_offline(engine, w: Workload) -> Measurement:
     profiler_s = 0.0  # starting/stopping/reading the profiler: not the workload's time
     max_running = 0
     i = 0
+    bar = tqdm(total=w.num_prompts, desc="requests", unit="req", disable=not progress, leave=False)
     while engine.has_unfinished():
         # profile one step in PROFILE_EVERY, plus the first step and the first after a phase change
         profiled = i % PROFILE_EVERY == 0 or (len(steps) >= 2 and steps[-1].kind != steps[-2].kind)
@@ -140,8 +144,8 @@ def run_offline(engine, w: Workload) -> Measurement:
             t0 = time.perf_counter()
             named = named_kernels()  # numba kernels show up as numba::<kernel> operators
             named.__enter__()
-            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
-            prof.__enter__()
+            prof = quiet_profile(torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]))
+            prof_result = prof.__enter__()
             profiler_s += time.perf_counter() - t0
         t0 = time.perf_counter()
         outputs = engine.step()
@@ -160,7 +164,7 @@ def run_offline(engine, w: Workload) -> Measurement:
             prof.__exit__(None, None, None)
             named.__exit__(None, None, None)
             op_forward[kind] += rec.forward_s
-            for ev in prof.key_averages():
+            for ev in prof_result.key_averages():
                 secs = ev.self_cpu_time_total / 1e6
                 if secs > 0:
                     cat = classify(ev.key)
@@ -171,7 +175,11 @@ def run_offline(engine, w: Workload) -> Measurement:
         for o in outputs:
             if o.finished:
                 finished[o.request_id] = o
+                t0 = time.perf_counter()
+                bar.update(1)
+                profiler_s += time.perf_counter() - t0  # not the workload's time either
         i += 1
+    bar.close()
     wall_s = time.perf_counter() - t_start - profiler_s
     requests = []
     for rid, tok_s in zip(rids, tok_times):

@@ -19,6 +19,7 @@ BOUND_EFFICIENCY = 0.45  # a phase whose roofline prediction explains this share
 KERNEL_SHARE = 0.5  # ... or whose forward time is at least this much inside its GEMM/attention/KV kernels
 TOKENIZE_SHARE = 0.25  # tokenisation above this share of wall time is the bottleneck
 QUEUE_SHARE = 0.5  # requests waiting this share of their latency for a capped batch: scheduling
+LOW_MBU = 0.3  # a "memory bandwidth" verdict below this share of the DRAM roof says why the share is low
 
 CATEGORY_LABELS = {
     "tokenize": "tokenize", "schedule": "schedule", "sample": "sample + detokenize",
@@ -163,6 +164,26 @@ def _decode_gain(shape, dev, batch: int, ctx: int, other_shape=None, other_dev=N
     return (alt.batch / alt.kernel_s) / (now.batch / now.kernel_s)
 
 
+def memory_evidence(dominant: Phase, wall: float, dev) -> str:
+    """Why decode counts as bandwidth-bound, and, when its MBU is low, why that is no contradiction."""
+    text = (f"decode is {dominant.seconds / wall:.0%} of wall time at batch {dominant.mean_batch:.1f}; it moves "
+            f"{dominant.bytes / dominant.seconds / 1e9:.1f} GB/s (MBU {dominant.mbu:.0%} of the measured DRAM "
+            f"bandwidth); the bandwidth roofline explains {dominant.efficiency:.0%} of its time and "
+            f"{dominant.kernel_share:.0%} of its forward time is in GEMM, attention and KV copies")
+    if dominant.mbu >= LOW_MBU:
+        return text
+    if dominant.efficiency >= BOUND_EFFICIENCY:
+        why = (f"the MBU is low because this machine's decode kernels stream weights at {dev.stream_gbs:.1f} GB/s "
+               f"(strata hw), {dev.stream_gbs / dev.mem_gbs:.0%} of its {dev.mem_gbs:.1f} GB/s DRAM bandwidth: decode "
+               "is limited by the rate the kernels can read memory, not by the DRAM peak")
+    else:
+        why = (f"the MBU is low because the memory-bound kernels hold {dominant.kernel_share:.0%} of the forward "
+               f"time yet run below their measured rate (the roofline explains only {dominant.efficiency:.0%}): "
+               "other work competing for the cores or the memory bus, or batches too small to hide the kernels' "
+               "fixed costs; the host is not what limits it")
+    return f"{text}; {why}"
+
+
 def verdict(m: Measurement, cats: dict[str, float], ph: list[Phase], ctx: dict[str, Any]) -> Verdict:
     """ctx: shape, dev, profile, dtype, quantization, engine config fields the actions refer to."""
     wall = m.wall_s or 1e-9
@@ -217,14 +238,7 @@ def verdict(m: Measurement, cats: dict[str, float], ph: list[Phase], ctx: dict[s
         g = _decode_gain(ctx["shape"], ctx["dev"], b, c, other_batch=4 * b)
         actions.append(Action(f"--max-num-seqs >= {4 * b} with more concurrent requests",
                               "read each weight once for more sequences", f"{g:.1f}x tokens/s at batch {4 * b} (planner)"))
-        return Verdict(
-            "memory bandwidth",
-            f"decode is {dominant.seconds / wall:.0%} of wall time at batch {dominant.mean_batch:.1f}; it moves "
-            f"{dominant.bytes / dominant.seconds / 1e9:.1f} GB/s (MBU {dominant.mbu:.0%} of the measured DRAM "
-            f"bandwidth); the bandwidth roofline explains {dominant.efficiency:.0%} of its time and "
-            f"{dominant.kernel_share:.0%} of its forward time is in GEMM, attention and KV copies",
-            actions,
-        )
+        return Verdict("memory bandwidth", memory_evidence(dominant, wall, ctx["dev"]), actions)
     actions = []
     prof = ctx.get("profile")
     if prof is not None and ctx.get("dtype") == "float32":

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from html import escape
 
-from strata.analyze import svg
+from strata.analyze import charts
 from strata.analyze.plan import Plan
 from strata.text_table import fmt_bytes
 
@@ -141,23 +141,23 @@ def format_text(p: Plan) -> str:
 
 def roofline_svg(p: Plan) -> str:
     d = p.device
-    ceilings = [(f"GEMM {p.dtype}", d.gemm_gflops * 1e9)]
+    ceilings = [(f"GEMM {p.dtype} {_flops(d.gemm_gflops)}", d.gemm_gflops * 1e9)]
     if d.few_rows:
-        ceilings.append((f"<= {d.few_rows}-row kernel", d.few_rows_gflops * 1e9))
-    bandwidths = [("weights streamed", d.stream_gbs * 1e9)]
+        ceilings.append((f"<= {d.few_rows}-row kernel {_flops(d.few_rows_gflops)}", d.few_rows_gflops * 1e9))
+    bandwidths = [(f"weights streamed {d.stream_gbs:,.1f} GB/s", d.stream_gbs * 1e9)]
     if abs(d.mem_gbs - d.stream_gbs) > 1e-6:
-        bandwidths.append(("memory", d.mem_gbs * 1e9))
+        bandwidths.append((f"memory {d.mem_gbs:,.1f} GB/s", d.mem_gbs * 1e9))
     points = [(f"decode b={s.batch}", s.intensity, s.flops / s.total_s) for s in p.steps]
     f = p.prefill
     points.append((f"prefill {f.tokens}", f.intensity, f.flops / f.total_s))
-    return svg.roofline(ceilings, bandwidths, points, title=f"Roofline: {p.model} on {d.name}")
+    return charts.roofline(ceilings, bandwidths, points, title=f"Roofline: {p.model} on {d.name}")
 
 
 def memory_svg(p: Plan) -> str:
     m = p.memory
     segs = [("weights", m.weight_bytes), ("KV cache", m.kv_cache_bytes), ("activations", m.activation_bytes),
             ("free", max(0, m.free_bytes))]
-    return svg.stacked_bar(segs, total=max(m.total_bytes, sum(v for _, v in segs)),
+    return charts.stacked_bar(segs, total=max(m.total_bytes, sum(v for _, v in segs)),
                            title=f"Memory per device ({fmt_bytes(m.total_bytes)})", fmt=fmt_bytes)
 
 

@@ -24,6 +24,10 @@ unprofiled one; the report gives both step times where the caller knows the unpr
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
+import tempfile
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 
@@ -32,7 +36,7 @@ from torch.autograd.profiler import record_function
 
 from strata.kernels.dispatch import named_kernels
 
-__all__ = ["HotspotRow", "ProfileReport", "analyze", "named_kernels", "profile_decode"]
+__all__ = ["HotspotRow", "ProfileReport", "analyze", "named_kernels", "profile_decode", "quiet_profile"]
 
 STEP = "strata::decode_step"
 _GROUPING = ("Torch-Compiled Region", "CompiledFunction", "## ", "ProfilerStep", STEP)
@@ -155,7 +159,7 @@ def profile_decode(engine, prompts: list[list[int]], params, top: int = 5, trace
         activities = [torch.profiler.ProfilerActivity.CPU]
         if device == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
-        with named_kernels(), torch.profiler.profile(activities=activities) as prof:
+        with named_kernels(), quiet_profile(torch.profiler.profile(activities=activities)) as prof:
             while engine.has_unfinished():
                 with record_function(STEP):
                     engine.step()
@@ -170,3 +174,36 @@ def profile_decode(engine, prompts: list[list[int]], params, top: int = 5, trace
         prof.export_chrome_trace(trace)
         report.trace = trace
     return report
+
+
+@contextlib.contextmanager
+def _without_kineto_lines() -> Iterator[None]:
+    """Run the block with file descriptor 2 captured; write back every line but kineto's
+    `USDT: ... profiler_start/stop` notes (printed from C++, so only the descriptor can catch them)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            kept = [line for line in tmp.read().splitlines(keepends=True) if not line.startswith(b"USDT:")]
+            if kept:
+                os.write(2, b"".join(kept))
+
+
+@contextlib.contextmanager
+def quiet_profile(prof):
+    """A torch.profiler.profile entered and left without kineto's start/stop lines on the terminal
+    (only its start and stop are captured: the profiled work's own output passes straight through)."""
+    with _without_kineto_lines():
+        prof.__enter__()
+    try:
+        yield prof
+    finally:
+        with _without_kineto_lines():
+            prof.__exit__(None, None, None)

@@ -29,8 +29,10 @@ from strata.analyze.analyze import (
 from strata.analyze.analyze_verdict import (
     BOUND_EFFICIENCY,
     KERNEL_SHARE,
+    LOW_MBU,
     QUEUE_SHARE,
     TOKENIZE_SHARE,
+    Phase,
 )
 from strata.config import EngineConfig
 from strata.demo.random_models import SHAPES
@@ -74,7 +76,7 @@ def analyze_recorded(monkeypatch, m: Measurement, profile, model_config: ModelCo
     attribution, phases and verdict as a live run, with run_offline replaced by the record."""
     fake = SimpleNamespace(model_config=model_config, dtype=torch.float32, model_path="(recorded)",
                            config=EngineConfig(dtype="float32", **config), warm_up=lambda: None)
-    monkeypatch.setattr(analyze_mod, "run_offline", lambda engine, w: m)
+    monkeypatch.setattr(analyze_mod, "run_offline", lambda engine, w, progress=False: m)
     return analyze_engine(fake, Workload(), profile=profile)
 
 
@@ -195,6 +197,22 @@ def test_batch1_decode_is_memory_bandwidth(monkeypatch, cpu_profile, slowdown):
     assert 0 < dec.mbu <= 1.5 and dec.bound == "memory" and dec.mean_batch == 1
     if slowdown > 1:  # the roofline no longer explains the time, the operator profile still does
         assert dec.efficiency < BOUND_EFFICIENCY <= KERNEL_SHARE <= dec.kernel_share
+    if dec.mbu < LOW_MBU:  # "limited by memory bandwidth" next to a low MBU says why
+        assert "the MBU is low because" in a.verdict.evidence, a.verdict.evidence
+    else:
+        assert "the MBU is low" not in a.verdict.evidence
+
+
+def test_low_mbu_is_explained_in_either_case():
+    from strata.analyze.analyze_verdict import memory_evidence
+
+    dev = SimpleNamespace(stream_gbs=6.0, mem_gbs=60.0)
+    fast = Phase("decode", 10, 1.0, 10, 1.0, 5e9, 5e9, 0.9, "memory", 0.08, 0.01, 0.9)
+    assert "kernels stream weights at 6.0 GB/s (strata hw), 10% of its 60.0 GB/s" in memory_evidence(fast, 1.0, dev)
+    slow = Phase("decode", 10, 1.0, 10, 1.0, 5e9, 5e9, 0.1, "memory", 0.08, 0.01, 0.9)
+    assert "run below their measured rate" in memory_evidence(slow, 1.0, dev)
+    ok = Phase("decode", 10, 1.0, 10, 1.0, 5e10, 5e9, 0.9, "memory", 0.8, 0.01, 0.9)
+    assert "MBU is low" not in memory_evidence(ok, 1.0, dev)
 
 
 @pytest.mark.parametrize("record", [PREFILL_QUIET, PREFILL_LOADED, _scaled(PREFILL_QUIET, 6.0)],
@@ -263,7 +281,10 @@ def test_smol_run_records_both_phases(smol, cpu_profile):
 def test_report_and_html(demo, cpu_profile):
     from strata.analyze.analyze_report import format_html, format_text
 
-    a = analyze_engine(demo, Workload(num_prompts=3, input_len=(24, 24), output_len=(20, 20)), cpu_profile)
+    said: list[str] = []
+    a = analyze_engine(demo, Workload(num_prompts=3, input_len=(24, 24), output_len=(20, 20)), cpu_profile,
+                       progress=said.append)
+    assert [s.split()[0] for s in said] == ["warming", "running", "attributing"]  # each phase announced
     cats = a.categories
     assert abs(sum(cats.values()) - a.wall_s) < 1e-6 * max(1.0, a.wall_s) + 1e-9
     assert all(v >= 0 for v in cats.values())
@@ -320,3 +341,25 @@ def test_serve_crossover_from_the_planner(tiny_ckpt, cpu_profile, monkeypatch):
     assert got == crossover_batch(ModelShape.of(cfg, torch.float32, None, 64), dev, 100)
     assert analyze_cli._decode_crossover(None, "float32", None, 100) is None  # demo: no verdict input
     assert analyze_cli._decode_crossover(str(tiny_ckpt), "float64", None, 100) is None  # bad dtype: skipped
+
+
+def test_profiler_start_stop_lines_stay_off_the_terminal():
+    """kineto prints `USDT: ... profiler_start/stop` from C++ on stderr; quiet_profile drops those
+    lines at the file descriptor and lets everything else through."""
+    import subprocess
+    import sys
+
+    code = ("import os, torch\n"
+            "from strata.kernels.profile import quiet_profile\n"
+            "with quiet_profile(torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])) as p:\n"
+            "    torch.mm(torch.ones(4, 4), torch.ones(4, 4))\n"
+            "    os.write(2, b'kept line\\n')\n"
+            "assert len(p.key_averages()) > 0\n"
+            "with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):\n"
+            "    pass\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    lines = r.stderr.splitlines()
+    assert "kept line" in lines
+    usdt = [ln for ln in lines if ln.startswith("USDT:")]
+    assert len(usdt) <= 2 and all("profiler_st" in ln for ln in usdt)  # only the unwrapped profiler's

@@ -8,7 +8,7 @@ from html.parser import HTMLParser
 
 import pytest
 
-from strata.analyze import svg
+from strata.analyze import charts
 from strata.analyze.plan import PlanRequest, build_plan
 from strata.analyze.plan_report import format_html, format_text
 
@@ -44,7 +44,8 @@ def _check_html(page: str) -> _Balance:
     parser.feed(page)
     parser.close()
     assert not parser.errors and not parser.stack, (parser.errors, parser.stack)
-    assert "<svg" in page and "http://" not in page.replace("http://www.w3.org/2000/svg", "")
+    namespaces = ("http://www.w3.org/2000/svg", "http://www.w3.org/1999/xlink")  # identifiers, not fetched
+    assert "<svg" in page and "http://" not in page.replace(namespaces[0], "").replace(namespaces[1], "")
     start = 0
     while (i := page.find("<svg", start)) >= 0:  # every chart is well-formed XML on its own
         j = page.index("</svg>", i) + len("</svg>")
@@ -58,7 +59,7 @@ def test_html_is_well_formed_with_svg_charts() -> None:
                                   batch=32, price_per_hour=1.6))
     page = format_html(plan)
     parser = _check_html(page)
-    assert {"html", "head", "body", "svg", "circle", "line", "rect"} <= parser.seen
+    assert {"html", "head", "body", "svg", "path", "text", "g"} <= parser.seen  # matplotlib draws paths
     assert page.count("<svg") == 2  # roofline + memory bar
     assert "decode b=1" in page and "prefill 4096" in page and "Tensor parallel" in page
 
@@ -72,15 +73,20 @@ def test_text_report_sections() -> None:
         assert needle in text, needle
 
 
-def test_svg_helpers_escape_and_parse() -> None:
-    chart = svg.roofline([("peak <bf16>", 1e14)], [("HBM", 2e12)], [("a&b", 10.0, 1e13), ("zero", 0.0, 0.0)])
+def test_chart_helpers_escape_and_parse() -> None:
+    chart = charts.roofline([("peak <bf16>", 1e14)], [("HBM", 2e12)], [("a&b", 10.0, 1e13), ("zero", 0.0, 0.0)])
     root = ET.fromstring(chart)
-    assert root.tag.endswith("svg")
+    assert root.tag.endswith("svg") and not chart.startswith("<?xml")  # inlinable: no prolog or DOCTYPE
     assert "peak &lt;bf16&gt;" in chart and "a&amp;b" in chart
-    bar = svg.stacked_bar([("weights", 3.0), ("kv", 1.0), ("neg", -1.0)], total=8.0, title="m")
-    assert ET.fromstring(bar).tag.endswith("svg")
+    assert chart.count("<text") >= 5  # text stays text (selectable, measurable)
+    bar = charts.stacked_bar([("weights", 3.0), ("kv", 1.0), ("neg", -1.0)], total=8.0, title="m")
+    assert ET.fromstring(bar).tag.endswith("svg") and "weights: 3 (38%)" in bar
+    one = charts.distribution([12.5], "TTFT")
+    assert "TTFT (1 sample)" in one and "12.5" in one and "requests" not in one  # the sample, not a bar
+    many = charts.distribution([float(i) for i in range(20)], "TPOT")
+    assert "TPOT (20 samples)" in many and "requests" in many and "p99" in many  # a count axis
     with pytest.raises(ValueError):
-        svg.roofline([], [("x", 1.0)], [])
+        charts.roofline([], [("x", 1.0)], [])
 
 
 def test_cli_plan_json_and_html(tmp_path, capsys) -> None:
