@@ -19,9 +19,9 @@ def register(sub: argparse._SubParsersAction) -> argparse._SubParsersAction:
     add_module()."""
     bench = sub.add_parser("bench", help="benchmarks (print a table; --json FILE)")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
-    from strata.bench import latency, preempt, prefix, serve, throughput, train
+    from strata.bench import latency, preempt, prefix, serve, spec, structured, throughput, train
 
-    for mod in (throughput, latency, prefix, preempt, serve, train):
+    for mod in (throughput, latency, prefix, preempt, serve, train, structured, spec):
         add_module(bsub, mod)
     add_module(bsub, __import__("strata.bench.comm", fromlist=["comm"]))  # strata bench comm
     return bsub

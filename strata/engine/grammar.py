@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -155,6 +156,10 @@ class GrammarMasks:
         self.words = (vocab_size + 31) // 32
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="strata-grammar")
         self._shifts = torch.arange(32, dtype=torch.int32)
+        self.masks = 0  # masks computed, and the seconds spent (for `strata bench structured`)
+        self.compute_seconds = 0.0  # in the worker thread, beside the forward pass
+        self.wait_seconds = 0.0  # the step waited for the worker after the forward pass
+        self.apply_seconds = 0.0  # unpacking and masking in the sampler (critical path)
 
     def start(self, seqs) -> Future | None:
         """Begin computing masks for the constrained sequences among `seqs` (the ones sampling
@@ -165,17 +170,23 @@ class GrammarMasks:
         return self._pool.submit(self._compute, todo)
 
     def _compute(self, seqs) -> tuple[dict[int, int], torch.Tensor]:
+        t0 = time.perf_counter()
         bitmask = torch.empty(len(seqs), self.words, dtype=torch.int32)
         row_bytes = self.words * 4
         for i, s in enumerate(seqs):  # llguidance drops the GIL while it computes
             s.grammar.unsafe_compute_mask_ptr(bitmask[i].data_ptr(), row_bytes)
+        self.masks += len(seqs)
+        self.compute_seconds += time.perf_counter() - t0
         return {s.seq_id: i for i, s in enumerate(seqs)}, bitmask
 
     def apply(self, logits: torch.Tensor, seqs, pending: Future | None) -> torch.Tensor:
         """Logits with every token a row's grammar forbids at -inf (constrained rows only)."""
         if pending is None:
             return logits
+        t0 = time.perf_counter()
         rows_of, bitmask = pending.result()
+        t1 = time.perf_counter()
+        self.wait_seconds += t1 - t0
         rows = [r for r, s in enumerate(seqs) if s.seq_id in rows_of]
         if not rows:
             return logits
@@ -188,6 +199,7 @@ class GrammarMasks:
         index = torch.tensor(rows, device=logits.device)
         logits = logits.clone()
         logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+        self.apply_seconds += time.perf_counter() - t1
         return logits
 
     def close(self) -> None:

@@ -193,6 +193,8 @@ class LLMEngine:
             sampled = SamplerOutput(tokens, lps)
         touched = self.scheduler.update(out, seqs, sampled)
         t3 = time.perf_counter()
+        if self.scheduler.speculator is not None and seqs:  # does drafting pay on this machine?
+            self.scheduler.speculator.observe_step(any(s.draft for s in out.scheduled), t3 - t0, len(seqs))
         st = self.stage_seconds
         st["schedule"] += t1 - t0
         st["forward"] += t2 - t1

@@ -20,9 +20,12 @@ greedy decoding the emitted tokens are the plain greedy tokens.
 
 Rolled back: the KV written for rejected drafts is dropped by truncating the sequence's block
 table (BlockManager.truncate); those positions are recomputed when they are decoded for real.
-Off per request where it does not pay or cannot be exact: structured output (its grammar state
-follows the real tokens), and a sequence whose drafts keep being rejected (acceptance below
-MIN_ACCEPTANCE after WARMUP_DRAFTS drafted tokens) stops drafting.
+Off where it does not pay or cannot be exact: structured output (its grammar state follows the
+real tokens); a sequence whose drafts keep being rejected (acceptance below MIN_ACCEPTANCE after
+WARMUP_DRAFTS drafted tokens) stops drafting; and, measured on this machine, while steps that
+verify drafts cost more seconds per emitted token than plain decode steps (a verify step is a
+small prefill: on a CPU running a small model it can cost several decode steps), drafting pauses,
+with a short probe every PROBE_EVERY steps to notice when it pays again.
 """
 
 from __future__ import annotations
@@ -36,6 +39,10 @@ from strata.engine.request import Sequence
 
 MIN_ACCEPTANCE = 0.15  # below this acceptance a sequence stops drafting (the verify rows cost compute)
 WARMUP_DRAFTS = 24  # drafted tokens before that judgement
+EMA = 0.1  # weight of the newest step in the measured seconds per token, with and without drafts
+MIN_SAMPLES = 8  # steps of each kind measured before drafting can be paused
+PROBE_EVERY = 64  # while paused, every this many steps draft again for PROBE_STEPS to re-measure
+PROBE_STEPS = 8
 
 
 class NgramProposer:
@@ -115,10 +122,32 @@ class Speculator:
     proposer: NgramProposer
     stats: SpecStats = field(default_factory=SpecStats)
     _records: dict[int, _SeqRecord] = field(default_factory=dict)
+    # measured seconds per emitted token of steps with drafts ("spec") and without ("plain")
+    cost: dict[str, float] = field(default_factory=dict)
+    samples: dict[str, int] = field(default_factory=lambda: {"spec": 0, "plain": 0})
+    paused: bool = False
+    _since_pause: int = 0
+
+    def observe_step(self, drafted: bool, seconds: float, tokens: int) -> None:
+        """One engine step: its wall time and the tokens it produced (engine/llm_engine.py)."""
+        if tokens <= 0:
+            return
+        kind = "spec" if drafted else "plain"
+        per = seconds / tokens
+        self.cost[kind] = per if kind not in self.cost else (1 - EMA) * self.cost[kind] + EMA * per
+        self.samples[kind] += 1
+        if min(self.samples.values()) >= MIN_SAMPLES:
+            self.paused = self.cost["spec"] > self.cost["plain"]
+        self._since_pause = self._since_pause + 1 if self.paused else 0
+
+    def _probing(self) -> bool:
+        return self._since_pause % PROBE_EVERY < PROBE_STEPS
 
     def draft(self, seq: Sequence, limit: int) -> list[int]:
         """Up to min(K, limit) draft tokens for a decoding sequence ([] = decode plainly)."""
         if limit <= 0 or seq.grammar is not None or seq.request.params.structured is not None:
+            return []
+        if self.paused and not self._probing():
             return []
         rec = self._records.get(seq.seq_id)
         if rec is not None and rec.off:

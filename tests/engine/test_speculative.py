@@ -119,3 +119,25 @@ def test_rejection_sampling_keeps_the_target_distribution(draft_kind):
     ok, tokens = rejection_sample(p.expand(n, -1), q.expand(n, -1), draft, generator=g)
     assert _chi_square_ok(tokens, p)
     assert abs(ok.float().mean().item() - torch.minimum(p, q).sum().item()) < 0.01  # acceptance = sum min(p, q)
+
+
+def test_drafting_pauses_while_it_costs_more_per_token_and_probes_again():
+    from types import SimpleNamespace
+
+    from strata.engine.speculative import MIN_SAMPLES, PROBE_EVERY, PROBE_STEPS, Speculator
+
+    spec = Speculator(4, NgramProposer(2, 1))
+    seq = SimpleNamespace(grammar=None, request=SimpleNamespace(params=SimpleNamespace(structured=None)),
+                          token_ids=[1, 2, 3, 1, 2], seq_id=0)
+    for _ in range(MIN_SAMPLES):
+        spec.observe_step(True, 0.030, 2)  # 15 ms per token while drafting
+        spec.observe_step(False, 0.010, 1)  # 10 ms per token plainly
+    assert spec.paused
+    drafted = []
+    for _ in range(PROBE_EVERY):
+        drafted.append(bool(spec.draft(seq, 4)))
+        spec.observe_step(False, 0.010, 1)
+    assert sum(drafted) == PROBE_STEPS  # only the probe windows draft
+    for _ in range(40):  # drafting got cheap: it resumes
+        spec.observe_step(True, 0.012, 3)
+    assert not spec.paused and spec.draft(seq, 4) == [3, 1, 2]
