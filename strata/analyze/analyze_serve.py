@@ -110,7 +110,9 @@ def analyze_serve(server_args: list[str], model_label: str, bench_cfg, max_num_s
 
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-m", "strata.cli", "serve", "--port", str(port), *server_args])
+    # warnings only: the server's info lines (one access line per request) would bury the progress bar
+    proc = subprocess.Popen([sys.executable, "-m", "strata.cli", "serve", "--port", str(port), "--log-level",
+                             "warning", *server_args])
     try:
         deadline = time.monotonic() + 600
         while True:

@@ -48,7 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--output-len", type=int, default=128, help="output tokens (default 128)")
     g.add_argument("--prompts", type=int, default=3, help="different prompts per workload (default 3)")
     g.add_argument("--repeats", type=int, default=3, help="timed runs of each (default 3)")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0, help="seed for the prompts and sampling")
 
 
 def _passages(eng, n: int, length: int, rng) -> list[list[int]]:

@@ -65,7 +65,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--repeats", type=int, default=3, help="timed runs of each kind (default 3)")
     g.add_argument("--schemas", type=int, default=20, help="schemas compiled for the compile time (default 20)")
     g.add_argument("--engines", default="llguidance,xgrammar", help="grammar engines to compare")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0, help="seed for the prompts and sampling")
 
 
 def _tpot(outs) -> float:
