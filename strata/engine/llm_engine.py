@@ -11,6 +11,8 @@ import gc
 import logging
 import time
 
+import torch
+
 from strata.config import EngineConfig
 from strata.engine import adaptive_threads, speculative
 from strata.engine.build import build_engine
@@ -133,6 +135,9 @@ class LLMEngine:
             raise RequestError(f"request {index}: prompt token ids must be in [0, {vocab})")
         if params.logprobs is not None and params.logprobs > vocab:
             raise RequestError(f"request {index}: logprobs must be <= vocab size {vocab}")
+        if params.prompt_logprobs is not None and self.ranks is not None:
+            raise RequestError(f"request {index}: prompt_logprobs is not implemented with tensor parallelism",
+                               param="prompt_logprobs")
         if params.structured is not None:
             grammars = self.scheduler.lifecycle.grammars
             if grammars is None:
@@ -184,6 +189,8 @@ class LLMEngine:
         t1 = time.perf_counter()
         logits, seqs = self._execute(out)
         self.num_steps += 1
+        if self.runner.prompt_logits:
+            self._record_prompt_logprobs()
         t2 = time.perf_counter()
         constrain = None if masks is None else (lambda x: self.grammar_masks.apply(x, seqs, masks))
         sampled = self.sampler(logits, seqs, constrain) if seqs else None
@@ -208,6 +215,24 @@ class LLMEngine:
                 self.requests.pop(req.request_id, None)
             outputs.append(self._output(req))
         return outputs
+
+    def _record_prompt_logprobs(self) -> None:
+        """Logprob of each prompt token given the tokens before it (+ the top N), once per position
+        (a preempted request recomputes its prompt; the entries it has are kept)."""
+        for seq, start, logits in self.runner.prompt_logits:
+            req = seq.request
+            lp = logits.log_softmax(-1)
+            targets = torch.tensor(seq.token_ids[start + 1 : start + 1 + lp.shape[0]])
+            chosen = lp.gather(1, targets[:, None]).squeeze(1).tolist()
+            top_n = req.params.prompt_logprobs
+            top = lp.topk(top_n, dim=-1) if top_n else None
+            for i, (t, v) in enumerate(zip(targets.tolist(), chosen)):
+                if start + 1 + i != len(req.prompt_logprobs):
+                    continue
+                d = dict(zip(top.indices[i].tolist(), top.values[i].tolist())) if top is not None else {}
+                d[t] = v
+                req.prompt_logprobs.append(d)
+        self.runner.prompt_logits = []
 
     def _execute(self, out):
         """Run the step: with tensor parallelism, first hand its plan to the other ranks."""
@@ -264,6 +289,7 @@ class LLMEngine:
             finished_time=tl.finished,
             num_preemptions=sum(s.num_preemptions for s in req.seqs),
             first_scheduled_time=tl.first_scheduled,
+            prompt_logprobs=None if req.prompt_logprobs is None else list(req.prompt_logprobs),
         )
 
     def kv_usage(self) -> KVUsage:

@@ -83,6 +83,8 @@ class Request:
         self.timeline = Timeline()
         self.seqs: list[Sequence] = []
         self.forked = params.n == 1
+        # prompt_logprobs: one entry per prompt token computed so far (the first token has none)
+        self.prompt_logprobs: list[dict[int, float] | None] | None = None if params.prompt_logprobs is None else [None]
 
     @property
     def finished(self) -> bool:
@@ -111,3 +113,4 @@ class RequestOutput:
     finished_time: float | None
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # with SamplingParams.prompt_logprobs

@@ -41,6 +41,8 @@ class ModelRunner:
         self.forward = forward or model
         self.decode_step = decode_step
         self.swapper = swapper
+        self.prompt_rows: list[tuple] = []
+        self.prompt_logits: list[tuple] = []
 
     def _tensor(self, data, dtype=torch.long) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype, device=self.device)
@@ -59,6 +61,7 @@ class ModelRunner:
         spans: list[PrefillSpan] = []
         logit_rows: list[int] = []
         order = []
+        prompt_rows: list[tuple] = []  # (sequence, first position, rows): prompt_logprobs requests
         for s in prefills:  # prompt chunks, and decodes verifying a draft (last token + draft)
             seq, start, n = s.seq, s.seq.num_computed_tokens, s.num_tokens
             begin = len(ids)
@@ -72,6 +75,10 @@ class ModelRunner:
                 keys = torch.arange(start + n, device=self.device)
                 mask = keys[None, :] <= pos[:, None]
             spans.append(PrefillSpan(begin, begin + n, start, table, mask))
+            want = getattr(getattr(seq, "request", None), "prompt_logprobs", None)
+            if want is not None and start + 1 < seq.num_prompt_tokens:  # rows predicting prompt tokens
+                end = min(start + n, seq.num_prompt_tokens - 1)
+                prompt_rows.append((seq, start, list(range(begin, begin + end - start))))
             if s.draft:  # every position: row i samples as if draft[:i] were accepted
                 logit_rows += range(begin, begin + n)
                 order += [(s, i) for i in range(n)]
@@ -106,6 +113,7 @@ class ModelRunner:
             backend=self.backend,
         )
         pos_t = torch.cat(positions) if len(positions) > 1 else positions[0]
+        self.prompt_rows = prompt_rows
         return self._tensor(ids), pos_t, meta, self._tensor(logit_rows), order
 
     def _sampling_rows(self, order: list[tuple[ScheduledSeq, int]]):
@@ -139,6 +147,8 @@ class ModelRunner:
             hidden = self.decode_step(ids, pos, meta)  # None: not a step it captures
         if hidden is None:
             hidden = self.forward(ids, pos, meta, self.kv_caches)
+        self.prompt_logits = [(seq, start, self.model.compute_logits(hidden.index_select(0, self._tensor(r))).float())
+                              for seq, start, r in self.prompt_rows]  # read by the engine (prompt_logprobs)
         if not order:
             return None, []
         logits = self.model.compute_logits(hidden.index_select(0, rows))

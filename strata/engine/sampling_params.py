@@ -111,6 +111,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs per generated token
+    prompt_logprobs: int | None = None  # top-N logprobs per prompt token (the first has none)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured: StructuredOutput | None = None  # constrained decoding (engine/grammar.py)
@@ -170,6 +171,9 @@ class SamplingParams:
         if self.logprobs is not None:
             top = vocab_size if vocab_size is not None else INT64_MAX
             int_in("logprobs", 0, top, f">= 0{f' and <= the vocabulary size ({vocab_size})' if vocab_size else ''}")
+        if self.prompt_logprobs is not None:
+            top = vocab_size if vocab_size is not None else INT64_MAX
+            int_in("prompt_logprobs", 0, top, f">= 0{f' and <= the vocabulary size ({vocab_size})' if vocab_size else ''}")
         if not isinstance(self.stop, list) or any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "must be non-empty strings")
         if not isinstance(self.stop_token_ids, list):

@@ -231,6 +231,8 @@ class Scheduler:
         last token (that token is always computed, into a block the sequence owns alone)."""
         if seq.num_computed_tokens or seq.block_table or not self.blocks.enable_prefix_caching:
             return None
+        if seq.request.params.prompt_logprobs is not None:  # every prompt position must be computed
+            return None
         return self.blocks.match_prefix(seq, (seq.num_tokens - 1) // self.blocks.block_size)
 
     def _reserve(self, seq: Sequence, n: int, out: SchedulerOutput, scheduled: set[int]) -> bool:

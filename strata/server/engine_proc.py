@@ -93,11 +93,15 @@ class EngineLoop:
                 lps = None
                 if c.logprobs is not None:
                     lps = [[[t, lp] for t, lp in d.items()] for d in c.logprobs[start:]]
-                deltas.append({
+                delta = {
                     "id": out.request_id, "index": c.index, "tokens": new, "logprobs": lps,
                     "finish": c.finish_reason,
                     "stop_reason": c.stop_reason if isinstance(c.stop_reason, int | str) else None,
-                })
+                }
+                if start == 0 and out.prompt_logprobs is not None:  # with the first delta of each choice
+                    delta["prompt_logprobs"] = [None if d is None else [[t, lp] for t, lp in d.items()]
+                                                for d in out.prompt_logprobs]
+                deltas.append(delta)
             if out.finished:
                 self._forget(out.request_id)
                 req_tl = {"arrival": out.arrival_time, "first_scheduled": out.first_scheduled_time,

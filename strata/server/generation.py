@@ -35,6 +35,7 @@ class ChoiceDelta:
     logprobs: list[dict[int, float]] | None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # first delta only, when asked for
 
 
 @dataclass
@@ -144,9 +145,12 @@ class Generation:
         logprobs = None
         if lps is not None:
             logprobs = [{int(t): float(v) for t, v in pairs} for pairs in lps[: len(kept)]]
-        if not text and not kept and finish is None:
+        prompt_lps = None
+        if d.get("prompt_logprobs") is not None:
+            prompt_lps = [None if e is None else {int(t): float(v) for t, v in e} for e in d["prompt_logprobs"]]
+        if not text and not kept and finish is None and prompt_lps is None:
             return None
-        return ChoiceDelta(choice.index, text, kept, logprobs, finish, stop_reason)
+        return ChoiceDelta(choice.index, text, kept, logprobs, finish, stop_reason, prompt_lps)
 
 
 def check_length(prompt_ids: list[int], max_tokens: int | None, max_model_len: int, index: int = 0) -> None:

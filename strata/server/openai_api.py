@@ -26,7 +26,7 @@ a no-op and accepted): `best_of` (null or = n), `logit_bias` (null, {}), `suffix
 `add_generation_prompt` (null, true), `continue_final_message` (null, false) (all others: null);
 in a message, `function_call`, `audio`, `refusal` (null) and
 `annotations` (null, []). Chat roles: system, user, assistant, tool, and developer (rendered as
-system). Completions: `echo` with `logprobs` is refused (prompt tokens' logprobs are not computed).
+system). Completions: `echo` with `logprobs` returns the prompt tokens' logprobs too (the first is null).
 Tool calling: `tools`, `tool_choice`, `parallel_tool_calls`, and in messages `tool_calls` and
 `tool_call_id` (server/tool_calls.py). Structured output: `response_format`, `structured_outputs` and vLLM's `guided_json`,
 `guided_regex`, `guided_choice`, `guided_grammar` (server/structured_api.py; at most one).
@@ -372,9 +372,6 @@ _STRUCTURED_FIELDS = ("response_format", "structured_outputs", *GUIDED)
 def completion_logprobs(req: CompletionRequest) -> int | None:
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS_COMPLETIONS:
         raise RequestError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS_COMPLETIONS}], got {req.logprobs}", param="logprobs")
-    if req.logprobs is not None and req.echo:
-        raise RequestError("echo with logprobs needs the prompt tokens' logprobs, which Strata does not compute "
-                           "(prompt logprobs are not implemented); drop echo or logprobs", param="echo")
     return req.logprobs
 
 

@@ -26,12 +26,13 @@ class CompletionLogprobs:
 
     def add(self, token_ids: list[int], logprobs: list[dict[int, float]], num_top: int) -> dict[str, list]:
         out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for tok, d in zip(token_ids, logprobs):
+        for tok, d in zip(token_ids, logprobs):  # d None: the prompt's first token (nothing before it)
             text = _token_text(self.tok, tok)
             out["tokens"].append(text)
-            out["token_logprobs"].append(d.get(tok))
-            top = sorted(d.items(), key=lambda kv: -kv[1])[:num_top] if num_top else []
-            out["top_logprobs"].append({_token_text(self.tok, t): v for t, v in top} if num_top else None)
+            out["token_logprobs"].append(None if d is None else d.get(tok))
+            top = sorted(d.items(), key=lambda kv: -kv[1])[:num_top] if num_top and d is not None else []
+            out["top_logprobs"].append({_token_text(self.tok, t): v for t, v in top} if num_top and d is not None
+                                       else None)
             out["text_offset"].append(self.offset)
             self.offset += len(text)
         return out

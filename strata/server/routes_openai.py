@@ -112,6 +112,8 @@ def _planted_fault() -> RuntimeError:
 # --- prompts -------------------------------------------------------------------------------------
 async def prepare_completion(state: ServerState, req: CompletionRequest) -> Submission:
     params = sampling_params(req, state.info.get("generation_defaults", {}), completion_logprobs(req), req.max_tokens)
+    if req.echo and req.logprobs is not None:  # the echoed prompt's tokens carry logprobs too
+        params.prompt_logprobs = req.logprobs
     params.validate(0, state.info["vocab_size"])
     texts, prompts, secs = await completion_prompts(state, req)
     for t in texts:
@@ -214,6 +216,9 @@ class CompletionShape:
 
     def _logprobs(self, d: ChoiceDelta) -> dict:
         w = self.writers.setdefault(d.index, CompletionLogprobs(self.tok))
+        if d.prompt_logprobs is not None and self.req.echo:  # echo: the prompt's entries come first
+            prompt = w.add(self.prompts[d.index // self.req.n], d.prompt_logprobs, self.num_top)
+            return CompletionLogprobs.merge([prompt, w.add(d.token_ids, d.logprobs, self.num_top)])
         return w.add(d.token_ids, d.logprobs, self.num_top)
 
     def stream_choice(self, d: ChoiceDelta) -> dict:

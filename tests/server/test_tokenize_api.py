@@ -54,3 +54,33 @@ def test_bad_bodies_are_400s(server, path, body, param, words):
 
 def test_unknown_model_is_a_404(server):
     assert server.post("/tokenize", json={"prompt": "a", "model": "gpt-9"}).status_code == 404
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_with_logprobs_gives_the_prompt_tokens_logprobs(server, offline, stream):
+    from strata import SamplingParams
+
+    prompt = "Now is the winter of our discontent"
+    ids = offline.get_tokenizer().encode(prompt)
+    want = offline.generate([ids], SamplingParams(max_tokens=4, temperature=0, prompt_logprobs=2),
+                            use_tqdm=False)[0]
+    body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "echo": True, "logprobs": 2, "stream": stream}
+    if stream:
+        import json
+
+        import httpx
+
+        parts = []
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    parts.append(json.loads(line[6:])["choices"][0]["logprobs"])
+        lp = {k: [x for p in parts if p for x in p[k]] for k in ("tokens", "token_logprobs", "top_logprobs")}
+    else:
+        lp = server.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(ids) + 4
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    for i in range(1, len(ids)):
+        assert lp["token_logprobs"][i] == pytest.approx(want.prompt_logprobs[i][ids[i]], abs=1e-4)
+        assert len(lp["top_logprobs"][i]) <= 2
+    assert lp["token_logprobs"][len(ids)] is not None  # then the completion's own
