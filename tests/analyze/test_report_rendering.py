@@ -135,6 +135,13 @@ def test_analyze_report_charts_are_not_clipped(chromium, tmp_path, samples):
         assert "requests" in titles  # a histogram has a count axis
 
 
+def test_every_segment_of_the_time_split_has_its_own_colour():
+    from strata.analyze import charts
+    from strata.analyze.analyze import CATEGORY_LABELS
+
+    assert len(set(charts.PALETTE)) >= len(CATEGORY_LABELS)
+
+
 def test_plan_report_charts_are_not_clipped(chromium, tmp_path):
     plan = build_plan(PlanRequest(model="qwen-0.5b", hardware="L4x2", dtype="bfloat16", max_model_len=4096,
                                   batch=32, price_per_hour=1.6))
