@@ -210,6 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
     EngineArgs.add_cli_args(g)
     EngineArgs.add_model_positional(g)  # `strata generate MODEL`, as `vllm serve MODEL`
     add_sampling_args(g)
+    cli_options.enable_config(g)
     g.set_defaults(func=cmd_generate)
     from strata.server.main import SERVE_EXAMPLES, add_serve_args, cmd_serve
 
@@ -218,6 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
     EngineArgs.add_cli_args(sv)
     EngineArgs.add_model_positional(sv)  # `strata serve MODEL`, as `vllm serve MODEL`
     add_serve_args(sv)
+    cli_options.enable_config(sv)
+    cli_options.enable_env(sv)  # STRATA_<FLAG> for every serve flag
     sv.set_defaults(func=cmd_serve)
     from strata.bench import cli as bench_cli
 
