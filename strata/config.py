@@ -84,7 +84,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # ranks sharing the model (torch.distributed; engine/parallel.py)
     comm_dtype: str | None = None  # None | bfloat16 | float16: compressed tensor-parallel all-reduce
     comm_timeout: float = 60.0  # seconds any collective may take before a rank counts as dead
-    # speculative decoding (engine/speculative.py): "ngram" = prompt lookup; None = off
+    # speculative decoding (engine/speculative.py): "ngram" = prompt lookup, or a draft model's directory
     speculative_model: str | None = None
     num_speculative_tokens: int = 4  # draft tokens verified per step
     prompt_lookup_max: int = 4  # n-gram sizes prompt lookup matches, longest first
@@ -181,9 +181,9 @@ class EngineConfig:
         if not isinstance(self.comm_timeout, int | float) or isinstance(self.comm_timeout, bool) \
                 or not self.comm_timeout > 0:
             raise ConfigError(f"comm_timeout: must be a positive number of seconds, got {self.comm_timeout!r}")
-        if self.speculative_model not in (None, "ngram"):
-            raise ConfigError(f"speculative_model: {self.speculative_model!r} is not supported; use 'ngram' "
-                              "(prompt lookup). A separate draft model is not implemented yet")
+        if self.speculative_model is not None and not isinstance(self.speculative_model, str):
+            raise ConfigError(f"speculative_model: 'ngram' (prompt lookup) or a draft model's directory, got "
+                              f"{self.speculative_model!r}")
         for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= 64:

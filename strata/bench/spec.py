@@ -1,4 +1,4 @@
-"""Speculative decoding by prompt lookup: batch-1 decode speed with and without, on a repetitive
+"""Speculative decoding (prompt lookup, or --speculative-model DIR for a draft model): batch-1 decode speed with and without, on a repetitive
 workload (where the output copies its context: summaries, edits, extraction) and on random prompts.
 
 repetitive: the prompt is a passage of --input-len tokens (text from data/shakespeare when the
@@ -104,15 +104,13 @@ def main(args: argparse.Namespace) -> int:
     if not 1 <= args.echo_len <= args.input_len:
         raise ConfigError(f"--echo-len: must be in [1, --input-len], got {args.echo_len}")
     from strata.engine.llm import LLM
-    from strata.engine.speculative import NgramProposer, Speculator
 
     kw = bench_engine_kwargs(args, args.input_len + args.echo_len + args.output_len, 1)
-    kw["speculative_model"] = "ngram"
+    kw["speculative_model"] = kw.get("speculative_model") or "ngram"  # or --speculative-model DIR: a draft model
     llm = LLM(resolve_model(args), **kw)
     eng = llm.engine
     cfg = eng.config
-    speculator = eng.scheduler.speculator or Speculator(cfg.num_speculative_tokens,
-                                                        NgramProposer(cfg.prompt_lookup_max, cfg.prompt_lookup_min))
+    speculator = eng.scheduler.speculator
     rng = np.random.default_rng(args.seed)
     passages = _passages(eng, args.prompts, args.input_len, rng)
     workloads = {
@@ -121,7 +119,7 @@ def main(args: argparse.Namespace) -> int:
     }
     print(f"model {eng.model_path}, {str(eng.dtype).replace('torch.', '')}, {eng.threads} threads; batch 1, greedy, "
           f"{args.input_len} in / {args.output_len} out, K = {cfg.num_speculative_tokens}, n-gram "
-          f"{cfg.prompt_lookup_min}..{cfg.prompt_lookup_max}; {args.prompts} prompts x {args.repeats} repeats")
+          f"{cfg.prompt_lookup_min}..{cfg.prompt_lookup_max} (drafts: {cfg.speculative_model}); {args.prompts} prompts x {args.repeats} repeats")
     results = {name: _run(llm, prompts, speculator, args) for name, prompts in workloads.items()}
     print_table(["workload", "decode tok/s off", "decode tok/s on", "speedup", "acceptance", "tokens/step",
                  "same tokens"],

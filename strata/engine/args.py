@@ -59,8 +59,8 @@ FLAGS: tuple[_Flag, ...] = (
           default_text="CPU: measured prefill rate x 0.15 s; GPU: no cap"),
     _Flag("num_threads", "compute threads", flag="--threads", type=int, default_text="physical cores"),
     _Flag("speculative_model", "speculative decoding: 'ngram' drafts by prompt lookup (tokens that followed "
-          "the same n-gram earlier in the prompt or output), verified in one forward; exact under greedy and "
-          "sampling", choices=("ngram",), default_text="off"),
+          "the same n-gram earlier in the prompt or output), or a small draft model's directory (same "
+          "vocabulary); drafts are verified in one forward, exact under greedy and sampling", default_text="off"),
     _Flag("num_speculative_tokens", "speculative decoding: draft tokens verified per step", type=int),
     _Flag("prompt_lookup_max", "speculative ngram: longest n-gram to match", type=int),
     _Flag("prompt_lookup_min", "speculative ngram: shortest n-gram to match", type=int),

@@ -31,13 +31,13 @@ from strata.engine.runner import ModelRunner
 from strata.engine.sampler import Sampler
 from strata.engine.scheduler import Scheduler
 from strata.engine.speculative import NgramProposer, Speculator
-from strata.errors import ModelLoadError
+from strata.errors import ConfigError, ModelLoadError
 from strata.graph.loader import check_model_dir, load_model
 from strata.hardware.placement import rank_placement, set_compute_threads
 from strata.kernels.attention import select_backend
 from strata.memory.blocks import BlockManager
 from strata.memory.kv_cache import allocate_kv_cache
-from strata.memory.planner import MemoryPlan, check_fits, plan_memory
+from strata.memory.planner import MemoryPlan, check_fits, kv_bytes_per_token, plan_memory
 from strata.memory.swap import HostBlockPool, KVSwapper
 from strata.model_config import ModelConfig
 from strata.text_table import fmt_bytes
@@ -271,8 +271,6 @@ def host_pool(config: EngineConfig, plan: MemoryPlan, cfg: ModelConfig, dtype: t
     """Swap space for preempted sequences (none in recompute mode)."""
     if config.preemption_mode == "recompute":
         return None
-    from strata.errors import ConfigError
-
     per_block = plan.kv_bytes_per_token * config.block_size
     if config.swap_space is not None:
         check_fits("swap_space", "--swap-space", config.swap_space, "cpu", "default: the KV cache's size, <= 1 GiB")
@@ -375,6 +373,32 @@ def shard(model, ranks, comm):
     return model
 
 
+DRAFT_KV_BYTES = 512 << 20  # the draft model's KV cache: at most this (sequences without room do not draft)
+
+
+def draft_proposer(config: EngineConfig, target: ModelConfig, dtype: torch.dtype, max_len: int, backend):
+    """--speculative-model DIR: the draft model on its own paged KV cache (engine/draft_model.py)."""
+    from strata.engine.draft_model import DraftModelProposer
+
+    ckpt = open_checkpoint(config.speculative_model)
+    cfg = ckpt.model_config
+    if cfg.vocab_size != target.vocab_size:
+        raise ConfigError(f"--speculative-model {config.speculative_model}: its vocabulary ({cfg.vocab_size} tokens) "
+                          f"is not the target's ({target.vocab_size}); a draft model must share the tokenizer")
+    if config.tensor_parallel_size > 1:
+        raise ConfigError("--speculative-model with a draft model does not support tensor parallelism yet; use "
+                          "--speculative-model ngram")
+    model = load(ckpt, dtype, config.device, resolve_max_model_len(cfg, max_len))
+    one = kv_bytes_per_token(cfg, dtype) * max_len
+    budget = max(one, min(DRAFT_KV_BYTES, one * config.max_num_seqs))
+    draft_cfg = dataclasses.replace(config, kv_cache_memory=budget, preemption_mode="recompute",
+                                    quantization=None, enable_prefix_caching=False)
+    _, blocks, kv_caches = kv_memory(draft_cfg, cfg, dtype, max_len)
+    runner = ModelRunner(model, kv_caches, config.block_size, config.device, backend)
+    logger.info("draft model %s (%s): KV %s for drafts", ckpt.path, cfg.architecture, fmt_bytes(budget))
+    return DraftModelProposer(runner, blocks)
+
+
 def build_engine(config: EngineConfig, detokenize: bool = True) -> EngineParts:
     """detokenize=False: sequences carry token ids only; text and stop strings are the caller's."""
     import_apart("torch._dynamo")
@@ -443,6 +467,8 @@ def _build(config: EngineConfig, ckpt: Checkpoint, detokenize: bool, threads: in
     if config.speculative_model == "ngram":
         speculator = Speculator(config.num_speculative_tokens,
                                 NgramProposer(config.prompt_lookup_max, config.prompt_lookup_min))
+    elif config.speculative_model is not None:
+        speculator = Speculator(config.num_speculative_tokens, draft_proposer(config, cfg, dtype, max_len, backend))
     scheduler = Scheduler(blocks, config.max_num_seqs, config.max_num_batched_tokens, prefer_swap, lifecycle,
                           decode_first_cap(config, cfg, dtype), speculator)
     sampler = Sampler(cfg.vocab_size, ckpt.eos_token_ids, config.seed)

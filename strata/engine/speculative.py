@@ -4,7 +4,7 @@ model would have produced.
 Drafting: prompt lookup (n-gram): the last n tokens of a sequence (n from prompt_lookup_max down
 to prompt_lookup_min) are looked up earlier in its prompt + output, and the K tokens that followed
 become the draft. No draft model; it pays where the output repeats its context (summaries, edits,
-code, extraction).
+code, extraction). Or a small draft model of the same vocabulary (engine/draft_model.py), greedy.
 
 Verification: the scheduler gives a drafting sequence 1 + K tokens this step (its last token and
 the draft), as one span over the paged cache; the runner returns logits for every position, and
@@ -50,6 +50,12 @@ class NgramProposer:
 
     def __init__(self, max_n: int = 4, min_n: int = 2) -> None:
         self.max_n, self.min_n = max_n, min_n
+
+    def propose_for(self, seq: Sequence, k: int) -> list[int]:
+        return self.propose(seq.token_ids, k)
+
+    def forget(self, seq: Sequence) -> None:
+        pass
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
         if k <= 0 or len(tokens) < self.min_n + 1:
@@ -152,7 +158,7 @@ class Speculator:
         rec = self._records.get(seq.seq_id)
         if rec is not None and rec.off:
             return []
-        return self.proposer.propose(seq.token_ids, min(self.num_tokens, limit))
+        return self.proposer.propose_for(seq, min(self.num_tokens, limit))
 
     def record(self, seq: Sequence, drafted: int, accepted: int) -> None:
         rec = self._records.setdefault(seq.seq_id, _SeqRecord())
@@ -168,6 +174,7 @@ class Speculator:
 
     def forget(self, seq: Sequence) -> None:
         self._records.pop(seq.seq_id, None)
+        self.proposer.forget(seq)
 
 
 def accept(scheduled, seqs: list, token_ids: list[int], logprobs: list, speculator: Speculator | None):

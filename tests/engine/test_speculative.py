@@ -141,3 +141,26 @@ def test_drafting_pauses_while_it_costs_more_per_token_and_probes_again():
     for _ in range(40):  # drafting got cheap: it resumes
         spec.observe_step(True, 0.012, 3)
     assert not spec.paused and spec.draft(seq, 4) == [3, 1, 2]
+
+
+@pytest.mark.parametrize("draft_family", ["llama", "qwen3"])
+def test_a_draft_model_gives_plain_decodings_tokens(tiny_models, draft_family):
+    """The target drafting with itself accepts (nearly) everything; another model of the same
+    vocabulary accepts less; both give exactly the plain greedy tokens, also under preemption."""
+    model = tiny_models["llama"]
+    prompts = _prompts(model.vocab_size) * 2
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    small = dict(kv_cache_memory=model.kv_bytes_for(160), max_num_seqs=8)
+    plain, _, _ = _run(model, prompts, params, **small)
+    spec, stats, preempted = _run(model, prompts, params, speculative_model=str(tiny_models[draft_family].path),
+                                  num_speculative_tokens=3, **small)
+    assert spec == plain and preempted > 0 and stats.drafted > 0
+    if draft_family == "llama":
+        assert stats.acceptance_rate > 0.9
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused(tiny_models, text_model):
+    from strata.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="vocabulary"):
+        make_llm(tiny_models["llama"], speculative_model=str(text_model.path))
