@@ -25,7 +25,8 @@ real tokens); a sequence whose drafts keep being rejected (acceptance below MIN_
 WARMUP_DRAFTS drafted tokens) stops drafting; and, measured on this machine, while steps that
 verify drafts cost more seconds per emitted token than plain decode steps (a verify step is a
 small prefill: on a CPU running a small model it can cost several decode steps), drafting pauses,
-with a short probe every PROBE_EVERY steps to notice when it pays again.
+with a short probe every PROBE_EVERY steps to notice when it pays again (and while drafting, one
+step in PLAIN_EVERY decodes plainly, so the comparison always has both costs).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ EMA = 0.1  # weight of the newest step in the measured seconds per token, with a
 MIN_SAMPLES = 8  # steps of each kind measured before drafting can be paused
 PROBE_EVERY = 64  # while paused, every this many steps draft again for PROBE_STEPS to re-measure
 PROBE_STEPS = 8
+PLAIN_EVERY = 16  # while drafting, one step in this many decodes plainly, to keep measuring that cost
 
 
 class NgramProposer:
@@ -65,8 +67,9 @@ class NgramProposer:
             pattern = arr[-n:]
             windows = np.lib.stride_tricks.sliding_window_view(arr[:-1], n)  # never the suffix itself
             hits = np.flatnonzero((windows == pattern).all(axis=1))
-            if hits.size:
-                start = int(hits[-1]) + n
+            if hits.size:  # the latest match followed by k tokens (a run or a loop has one), else the latest
+                full = hits[hits + n + k <= len(tokens)]
+                start = int(full[-1] if full.size else hits[-1]) + n
                 return arr[start:start + k].tolist()
         return []
 
@@ -133,9 +136,11 @@ class Speculator:
     samples: dict[str, int] = field(default_factory=lambda: {"spec": 0, "plain": 0})
     paused: bool = False
     _since_pause: int = 0
+    _steps: int = 0
 
     def observe_step(self, drafted: bool, seconds: float, tokens: int) -> None:
         """One engine step: its wall time and the tokens it produced (engine/llm_engine.py)."""
+        self._steps += 1
         if tokens <= 0:
             return
         kind = "spec" if drafted else "plain"
@@ -155,6 +160,8 @@ class Speculator:
             return []
         if self.paused and not self._probing():
             return []
+        if not self.paused and self._steps % PLAIN_EVERY == PLAIN_EVERY - 1:
+            return []  # a measured plain step
         rec = self._records.get(seq.seq_id)
         if rec is not None and rec.off:
             return []

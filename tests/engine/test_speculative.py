@@ -92,6 +92,8 @@ def test_ngram_proposer():
     assert prop.propose([5, 6, 7, 8, 9, 5, 6, 7], 3) == [8, 9, 5]  # the longest suffix match
     assert prop.propose([1, 2, 3, 4], 2) == []  # nothing repeats
     assert prop.propose([4, 1, 4], 5) == [1, 4]  # bounded by what follows
+    assert prop.propose([7] * 10, 4) == [7, 7, 7, 7]  # a run: an earlier match with k tokens after it
+    assert prop.propose([1, 2, 3, 1, 2, 3, 1, 2], 4) == [3, 1, 2]  # the latest match that has them
     assert NgramProposer(4, 2).propose([1, 9, 2, 9], 2) == []  # a 1-gram match is below min_n
 
 
