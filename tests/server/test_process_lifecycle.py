@@ -87,7 +87,8 @@ def test_port_in_use_is_one_line_and_leaves_nothing(faults):
             kill_tree(c.proc)
     finally:
         holder.close()
-    lines = err.strip().splitlines()
+    # serve logs its start-up at INFO (a port lost late comes after the first lines): the rest is one line
+    lines = [ln for ln in err.strip().splitlines() if not (LINE.match(ln) and " INFO " in ln)]
     assert rc == 2 and len(lines) == 1, err
     assert f"port {port}" in lines[0] and "--port N" in lines[0] and "already in use" in lines[0]
     assert leftovers(c.proc.pid) == [] and ipc_dirs(c.proc.pid) == []
@@ -148,7 +149,8 @@ def test_sigint_while_generate_streams_ends_the_line():
     finally:
         kill_tree(c.proc)
     assert rc == 130, err
-    assert "Traceback" not in err and err.strip() == "interrupted", err
+    said = [ln for ln in err.strip().splitlines() if not ln.startswith("note: ")]  # the model's note
+    assert "Traceback" not in err and said == ["interrupted"], err
     assert out.startswith(prompt) and out.endswith("\n"), out[-80:]
 
 
