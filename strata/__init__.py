@@ -14,6 +14,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "LLM": "strata.engine.llm",
     "SamplingParams": "strata.engine.sampling_params",
+    "StructuredOutput": "strata.engine.sampling_params",
     "RequestOutput": "strata.engine.request",
     "CompletionOutput": "strata.engine.request",
 }

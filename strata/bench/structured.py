@@ -155,7 +155,6 @@ def _allowed(words: np.ndarray, vocab: int) -> np.ndarray:
 
 def _walk_xgrammar(tok_json: str, vocab: int, eos: list[int], schemas: list[dict], steps: int, rng):
     import tokenizers
-    import torch
     import xgrammar as xgr
     from transformers import PreTrainedTokenizerFast
 
@@ -183,7 +182,6 @@ def _walk_xgrammar(tok_json: str, vocab: int, eos: list[int], schemas: list[dict
             if not allowed.size:
                 break
             matcher.accept_token(int(rng.choice(allowed)))
-    del torch
     return build, compile_s, mask_s / masks
 
 
