@@ -7,8 +7,9 @@ the grammar. Why llguidance rather than xgrammar: docs/design-notes.md, "Structu
 
 Per sequence, a matcher (deep copy of a cached, compiled template) follows the sampled tokens.
 Each step's masks are computed in a worker thread while the forward pass runs (they depend only
-on tokens already sampled), then the sampler applies them to the constrained rows only, as one
-vectorised masked_fill: unconstrained rows in the same batch are untouched.
+on tokens already sampled, and on a speculative draft: one mask per verify row, after its draft
+prefix), then the sampler applies them to the constrained rows only, as one vectorised
+masked_fill: unconstrained rows in the same batch are untouched.
 
 Choices made here (a user can override the first two inside the schema: x-guidance):
 - JSON is compact: ", " and ": " separators, no other whitespace (a random or weak model cannot
@@ -161,23 +162,35 @@ class GrammarMasks:
         self.wait_seconds = 0.0  # the step waited for the worker after the forward pass
         self.apply_seconds = 0.0  # unpacking and masking in the sampler (critical path)
 
-    def start(self, seqs) -> Future | None:
-        """Begin computing masks for the constrained sequences among `seqs` (the ones sampling
-        this step); None when none is constrained."""
-        todo = [s for s in seqs if s.grammar is not None]
+    def start(self, scheduled) -> Future | None:
+        """Begin computing masks for the constrained sequences sampling this step (ScheduledSeqs):
+        one per sequence, and for a sequence verifying a speculative draft one per verify row
+        (the grammar's state after each draft prefix). None when none is constrained."""
+        todo = [(seq, s.draft if seq is s.seq else []) for s in scheduled if s.samples
+                for seq in (s.seq, *s.forks) if seq.grammar is not None]
         if not todo:
             return None
         return self._pool.submit(self._compute, todo)
 
-    def _compute(self, seqs) -> tuple[dict[int, int], torch.Tensor]:
+    def _compute(self, todo) -> tuple[dict[tuple[int, int], int], torch.Tensor]:
         t0 = time.perf_counter()
-        bitmask = torch.empty(len(seqs), self.words, dtype=torch.int32)
+        bitmask = torch.empty(sum(1 + len(d) for _, d in todo), self.words, dtype=torch.int32)
         row_bytes = self.words * 4
-        for i, s in enumerate(seqs):  # llguidance drops the GIL while it computes
-            s.grammar.unsafe_compute_mask_ptr(bitmask[i].data_ptr(), row_bytes)
-        self.masks += len(seqs)
+        rows: dict[tuple[int, int], int] = {}  # (sequence, draft tokens before the row) -> mask row
+        for seq, draft in todo:
+            m, consumed = seq.grammar, 0
+            for i in range(len(draft) + 1):  # llguidance drops the GIL while it computes
+                rows[(seq.seq_id, i)] = len(rows)
+                m.unsafe_compute_mask_ptr(bitmask[len(rows) - 1].data_ptr(), row_bytes)
+                if i == len(draft) or m.validate_tokens(draft[i:i + 1]) != 1:
+                    break  # later rows follow a draft token the grammar refuses: never accepted
+                m.consume_token(draft[i])
+                consumed += 1
+            if consumed:
+                m.rollback(consumed)  # the tokens kept are consumed again by the lifecycle
+        self.masks += len(rows)
         self.compute_seconds += time.perf_counter() - t0
-        return {s.seq_id: i for i, s in enumerate(seqs)}, bitmask
+        return rows, bitmask
 
     def apply(self, logits: torch.Tensor, seqs, pending: Future | None) -> torch.Tensor:
         """Logits with every token a row's grammar forbids at -inf (constrained rows only)."""
@@ -187,10 +200,11 @@ class GrammarMasks:
         rows_of, bitmask = pending.result()
         t1 = time.perf_counter()
         self.wait_seconds += t1 - t0
-        rows = [r for r, s in enumerate(seqs) if s.seq_id in rows_of]
+        keys = [(s.seq_id, len(getattr(s, "draft", ()))) for s in seqs]  # DraftViews carry their draft
+        rows = [r for r, key in enumerate(keys) if key in rows_of]
         if not rows:
             return logits
-        bits = bitmask[[rows_of[seqs[r].seq_id] for r in rows]]
+        bits = bitmask[[rows_of[keys[r]] for r in rows]]
         allowed = ((bits.unsqueeze(-1) >> self._shifts) & 1).bool().view(len(rows), -1)
         width = logits.shape[-1]
         if allowed.shape[1] < width:  # rows past the grammar's vocabulary are never allowed

@@ -21,7 +21,6 @@ from strata.engine.parallel import STOP, RankDied, encode_step
 from strata.engine.request import CompletionOutput, Request, RequestOutput, SeqStatus
 from strata.engine.sampler import SamplerOutput
 from strata.engine.sampling_params import SamplingParams
-from strata.engine.scheduler import sampling_seqs
 from strata.errors import RequestError
 from strata.memory.blocks import KVUsage
 
@@ -185,7 +184,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         self.last_schedule = out  # for observers (the analyzer classifies steps by it)
-        masks = self.grammar_masks.start(sampling_seqs(out))  # beside the forward pass
+        masks = self.grammar_masks.start(out.scheduled)  # beside the forward pass
         t1 = time.perf_counter()
         logits, seqs = self._execute(out)
         self.num_steps += 1

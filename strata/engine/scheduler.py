@@ -63,11 +63,6 @@ class SchedulerOutput:
         return sum(s.num_tokens for s in self.scheduled)
 
 
-def sampling_seqs(out: SchedulerOutput) -> list[Sequence]:
-    """The sequences that sample a token in this step (forks of n > 1 included)."""
-    return [seq for s in out.scheduled if s.samples for seq in (s.seq, *s.forks)]
-
-
 class Scheduler:
     def __init__(
         self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,

@@ -20,8 +20,9 @@ greedy decoding the emitted tokens are the plain greedy tokens.
 
 Rolled back: the KV written for rejected drafts is dropped by truncating the sequence's block
 table (BlockManager.truncate); those positions are recomputed when they are decoded for real.
-Off where it does not pay or cannot be exact: structured output (its grammar state follows the
-real tokens); a sequence whose drafts keep being rejected (acceptance below MIN_ACCEPTANCE after
+Structured output: each verify row gets its grammar's mask after that row's draft prefix
+(engine/grammar.GrammarMasks), so a draft token the grammar forbids is simply rejected.
+Off where it does not pay: a sequence whose drafts keep being rejected (acceptance below MIN_ACCEPTANCE after
 WARMUP_DRAFTS drafted tokens) stops drafting; and, measured on this machine, while steps that
 verify drafts cost more seconds per emitted token than plain decode steps (a verify step is a
 small prefill: on a CPU running a small model it can cost several decode steps), drafting pauses,
@@ -75,9 +76,8 @@ class NgramProposer:
 
 
 class DraftView:
-    """Sequence `base` as if `draft` had been appended: what the sampler reads for a verify row."""
-
-    grammar = None
+    """Sequence `base` as if `draft` had been appended: what the sampler reads for a verify row
+    (its grammar mask is keyed by the base's seq_id and len(draft): engine/grammar.py)."""
 
     def __init__(self, base: Sequence, draft: list[int]) -> None:
         self.base, self.draft = base, draft
@@ -128,7 +128,7 @@ class Speculator:
     """Which sequences draft, their drafts, and what the verification accepted."""
 
     num_tokens: int
-    proposer: NgramProposer
+    proposer: object  # NgramProposer or draft_model.DraftModelProposer: propose_for(seq, k), forget(seq)
     stats: SpecStats = field(default_factory=SpecStats)
     _records: dict[int, _SeqRecord] = field(default_factory=dict)
     # measured seconds per emitted token of steps with drafts ("spec") and without ("plain")
@@ -156,7 +156,7 @@ class Speculator:
 
     def draft(self, seq: Sequence, limit: int) -> list[int]:
         """Up to min(K, limit) draft tokens for a decoding sequence ([] = decode plainly)."""
-        if limit <= 0 or seq.grammar is not None or seq.request.params.structured is not None:
+        if limit <= 0:
             return []
         if self.paused and not self._probing():
             return []

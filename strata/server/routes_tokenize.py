@@ -43,11 +43,20 @@ async def version():
     return {"version": strata.__version__}
 
 
+async def _read(request: Request, model_cls, param: str):
+    """(server state, the typed body, a 404 response when it names another model, else None)."""
+    state = server_state(request)
+    req = parse(model_cls, await read_body(request, state.options.max_request_bytes))
+    bad = check_model(state.options, req.model)
+    if bad is None and state.tokenizer is None:
+        raise RequestError("this model has no tokenizer.json: it takes token ids only", param=param)
+    return state, req, bad
+
+
 @router.post("/tokenize")
 async def tokenize(request: Request):
-    state = server_state(request)
-    req = parse(TokenizeRequest, await read_body(request, state.options.max_request_bytes))
-    if (bad := check_model(state.options, req.model)) is not None:
+    state, req, bad = await _read(request, TokenizeRequest, "prompt")
+    if bad is not None:
         return bad
     if (req.prompt is None) == (req.messages is None):
         raise RequestError("give exactly one of prompt (text) or messages (a chat)", param="prompt")
@@ -65,8 +74,6 @@ async def tokenize(request: Request):
         job = {"kind": "chat", "messages": chat_messages(req)}
         if req.tools:
             job["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
-    if state.tokenizer is None:
-        raise RequestError("this model has no tokenizer.json: it takes token ids only", param="prompt")
     ids, _ = await state.tokenizers.run(job)
     body = {"count": len(ids), "max_model_len": state.info.get("max_model_len"), "tokens": ids, "token_strs": None}
     if req.return_token_strs:
@@ -76,12 +83,9 @@ async def tokenize(request: Request):
 
 @router.post("/detokenize")
 async def detokenize(request: Request):
-    state = server_state(request)
-    req = parse(DetokenizeRequest, await read_body(request, state.options.max_request_bytes))
-    if (bad := check_model(state.options, req.model)) is not None:
+    state, req, bad = await _read(request, DetokenizeRequest, "tokens")
+    if bad is not None:
         return bad
-    if state.tokenizer is None:
-        raise RequestError("this model has no tokenizer.json: it takes token ids only", param="tokens")
     vocab = state.info["vocab_size"]
     if any(t < 0 or t >= vocab for t in req.tokens):
         raise RequestError(f"tokens must be token ids in [0, {vocab})", param="tokens")
