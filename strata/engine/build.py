@@ -203,13 +203,8 @@ def mark_gemms(model, config: EngineConfig) -> None:
 
 
 def resolve_max_model_len(cfg: ModelConfig, requested: int | None) -> int:
-    want = cfg.max_model_len(requested)
-    if want < (requested or cfg.max_position_embeddings):
-        logger.warning(
-            "max_model_len %d capped to the sliding window %d (sliding-window attention is "
-            "not implemented; within the window it is exact)", requested or cfg.max_position_embeddings, want,
-        )
-    return want
+    """The requested context length, default the model's; refused above it (ModelConfig's rule)."""
+    return cfg.max_model_len(requested)
 
 
 # --- model ------------------------------------------------------------------------------------------
@@ -388,7 +383,11 @@ def draft_proposer(config: EngineConfig, target: ModelConfig, dtype: torch.dtype
     if config.tensor_parallel_size > 1:
         raise ConfigError("--speculative-model with a draft model does not support tensor parallelism yet; use "
                           "--speculative-model ngram")
-    model = load(ckpt, dtype, config.device, resolve_max_model_len(cfg, max_len))
+    if cfg.max_position_embeddings < max_len:
+        raise ConfigError(f"--speculative-model {config.speculative_model}: it handles {cfg.max_position_embeddings} "
+                          f"positions, fewer than max_model_len ({max_len}); lower --max-model-len or pick a "
+                          "draft model with a longer context")
+    model = load(ckpt, dtype, config.device, max_len)
     one = kv_bytes_per_token(cfg, dtype) * max_len
     budget = max(one, min(DRAFT_KV_BYTES, one * config.max_num_seqs))
     draft_cfg = dataclasses.replace(config, kv_cache_memory=budget, preemption_mode="recompute",

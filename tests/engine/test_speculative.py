@@ -166,3 +166,18 @@ def test_a_draft_model_of_another_vocabulary_is_refused(tiny_models, text_model)
 
     with pytest.raises(ConfigError, match="vocabulary"):
         make_llm(tiny_models["llama"], speculative_model=str(text_model.path))
+
+
+def test_a_draft_model_with_a_shorter_context_is_refused(tiny_models, tmp_path):
+    import json
+    import shutil
+
+    from strata.errors import ConfigError
+
+    short = tmp_path / "short"
+    shutil.copytree(tiny_models["qwen3"].path, short)
+    cfg = json.loads((short / "config.json").read_text())
+    cfg["max_position_embeddings"] = 64
+    (short / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="fewer than max_model_len"):
+        make_llm(tiny_models["llama"], speculative_model=str(short))  # make_llm: max_model_len 96
