@@ -98,14 +98,19 @@ def grammar_text(so: StructuredOutput, param: str = "structured") -> str:
     return M.grammar_from_lark(so.grammar)
 
 
+def _unusable(so: StructuredOutput, param: str, error: str) -> RequestError:
+    """llguidance's first line of complaint, under the field the user set."""
+    kind = so.kinds()[0].replace("_", " ")
+    return RequestError(f"{param}: the {kind} cannot be used: {error.strip().splitlines()[0]}", param=param)
+
+
 def check(so: StructuredOutput, param: str = "structured", tokenizer=None) -> str:
     """Compile-check `so` (no tokenizer needed: the front end calls this); returns the grammar."""
     so.validate(param)
     text = grammar_text(so, param)
     error = _llg().LLMatcher.validate_grammar(text, tokenizer)
     if error and not error.startswith("WARNING"):
-        kind = so.kinds()[0].replace("_", " ")
-        raise RequestError(f"{param}: the {kind} cannot be used: {error.strip().splitlines()[0]}", param=param)
+        raise _unusable(so, param, error)
     return text
 
 
@@ -138,9 +143,7 @@ class GrammarCompiler:
             if template is None:
                 template = _llg().LLMatcher(self.tokenizer, text, log_level=0)
                 if template.is_error():
-                    kind = so.kinds()[0].replace("_", " ")
-                    raise RequestError(f"{param}: the {kind} cannot be used: "
-                                       f"{template.get_error().strip().splitlines()[0]}", param=param)
+                    raise _unusable(so, param, template.get_error())
                 self._templates[text] = template
                 if len(self._templates) > MAX_CACHED_GRAMMARS:
                     self._templates.popitem(last=False)

@@ -168,12 +168,10 @@ class SamplingParams:
             raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
         if self.seed is not None:
             int_in("seed", INT64_MIN, INT64_MAX, "that fits in 64 bits (signed)")
-        if self.logprobs is not None:
-            top = vocab_size if vocab_size is not None else INT64_MAX
-            int_in("logprobs", 0, top, f">= 0{f' and <= the vocabulary size ({vocab_size})' if vocab_size else ''}")
-        if self.prompt_logprobs is not None:
-            top = vocab_size if vocab_size is not None else INT64_MAX
-            int_in("prompt_logprobs", 0, top, f">= 0{f' and <= the vocabulary size ({vocab_size})' if vocab_size else ''}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                top = vocab_size if vocab_size is not None else INT64_MAX
+                int_in(name, 0, top, f">= 0{f' and <= the vocabulary size ({vocab_size})' if vocab_size else ''}")
         if not isinstance(self.stop, list) or any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "must be non-empty strings")
         if not isinstance(self.stop_token_ids, list):
