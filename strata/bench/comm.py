@@ -49,7 +49,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compress", default="bfloat16,float16",
                    help="comm dtypes of the compressed all-reduce ('none' to skip)")
     p.add_argument("--budget-s", type=float, default=0.15, help="time per point (default 0.15 s)")
-    p.add_argument("--passes", type=int, default=3, help="passes over the points; each keeps its quietest")
+    p.add_argument("--passes", type=int, default=8,
+                   help="passes over the points in shuffled orders, pooled (default 8)")
     p.add_argument("--timeout", type=float, default=60.0, help="bound on one collective, seconds")
     p.add_argument("--run-timeout", type=float, default=1200.0, help="bound on the whole run, seconds")
     p.add_argument("--shm-slot-bytes", default=None, help="SHM slot per rank (chunk size), e.g. 4MiB")
@@ -138,11 +139,18 @@ def _tables(raw: dict, model: CommModel, errs: dict) -> None:
         for p in pts:
             alg, bus = bus_bandwidth(f.collective, p["bytes"], p["median_s"], n)
             rows.append([fmt_bytes(p["bytes"]), p["median_s"] * 1e6,
-                         f"{p['p10_s'] * 1e6:.1f}-{p['p90_s'] * 1e6:.1f}", alg / 1e9, bus / 1e9,
-                         f.predict(p["bytes"]) * 1e6, f"{errs[(f.collective, f.transport)][p['bytes']]:+.0%}"])
+                         f"{p['p10_s'] * 1e6:.1f}-{p['p90_s'] * 1e6:.1f}", f"{pass_spread(p):.0%}", alg / 1e9,
+                         bus / 1e9, f.predict(p["bytes"]) * 1e6, f"{errs[(f.collective, f.transport)][p['bytes']]:+.0%}"])
         wire = " (fp32 tensor bytes)" if "+" in f.transport else ""
         print(f"\n{f.collective} via {f.transport}, {n} ranks{wire}")
-        print_table(["size", "time us", "p10-p90 us", "algbw GB/s", "busbw GB/s", "model us", "model err"], rows)
+        print_table(["size", "time us", "p10-p90 us", "pass spread", "algbw GB/s", "busbw GB/s", "model us",
+                     "model err"], rows)
+
+
+def pass_spread(p: dict) -> float:
+    """How far the point moved between passes: (max - min) of the pass medians / the median."""
+    meds = p.get("pass_medians_s") or [p["median_s"]]
+    return (max(meds) - min(meds)) / p["median_s"]
 
 
 def _fit_table(model: CommModel, errs: dict) -> None:
@@ -150,11 +158,24 @@ def _fit_table(model: CommModel, errs: dict) -> None:
 
     rows = []
     for f in model.fits:
-        e = list(errs[(f.collective, f.transport)].values())
-        rows.append([f.collective, f.transport, FORMULA_TEXT[f.algorithm], f.alpha_s * 1e6, f.beta_bps / 1e9,
-                     f"{max(abs(x) for x in e):.0%}", f"{math.sqrt(sum(x * x for x in e) / len(e)):.0%}"])
-    print("\nFitted alpha-beta model (weighted least squares on relative error; S = bytes, n = ranks)")
-    print_table(["collective", "transport", "t(n, S)", "alpha us", "beta GB/s", "max |err|", "rms err"], rows)
+        e = errs[(f.collective, f.transport)]
+        for k, seg in enumerate(f.segments):
+            upto = f.segments[k + 1].from_bytes if k + 1 < len(f.segments) else math.inf
+            mine = [x for size, x in e.items() if seg.from_bytes <= size < upto]
+            span = (f"{fmt_bytes(min(s for s in e if seg.from_bytes <= s < upto))}.."
+                    f"{fmt_bytes(max(s for s in e if seg.from_bytes <= s < upto))}")
+            rows.append([f.collective if k == 0 else "", f.transport if k == 0 else "",
+                         FORMULA_TEXT[f.algorithm] if k == 0 else "", span, seg.alpha_s * 1e6,
+                         seg.beta_bps / 1e9, f"{max(abs(x) for x in mine):.0%}",
+                         f"{math.sqrt(sum(x * x for x in mine) / len(mine)):.0%}"])
+    print("\nFitted alpha-beta model (weighted least squares on relative error, in size regimes chosen by BIC;"
+          " S = bytes, n = ranks)")
+    print_table(["collective", "transport", "t(n, S)", "sizes", "alpha us", "beta GB/s", "max |err|", "rms err"],
+                rows)
+    every = [abs(x) for e in errs.values() for x in e.values()]
+    if every:
+        print(f"model vs measured over every point: max |err| {max(every):.0%}, "
+              f"{sum(x <= 0.25 for x in every)}/{len(every)} within 25%")
 
 
 def _error_table(raw: dict) -> None:

@@ -18,6 +18,10 @@ For measurements at one n the model t = A(n) a + B(n) S / b is linear in (a, 1/b
 weighted least squares on the relative error, sum(((t_model - t) / t)^2), so the microsecond
 points count as much as the millisecond ones, with a >= 0 and b > 0. Prediction at another n
 scales by the algorithm's A and B (an extrapolation: the fit says which n it was measured at).
+One line rarely holds from 8 B to 256 MiB: gloo changes protocol with the size, and a message
+that outgrows the caches pays DRAM's bandwidth. So a fit is piecewise: up to three contiguous
+size regimes, each with its own alpha and beta, the breakpoints and their number chosen from
+the measurements (fit()), as NCCL's tuner keeps one latency and bandwidth per protocol.
 nccl-tests' bus bandwidth, the figure comparable across n: algbw = S / t, and busbw = algbw x
 2(n-1)/n (all-reduce), x (n-1)/n (all-gather), x 1 (broadcast).
 """
@@ -28,7 +32,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-MODEL_VERSION = 1
+MODEL_VERSION = 2  # 2: fits in size segments; 1 (one line per fit) still loads
 
 # (alpha steps A(n), bytes factor B(n)) per algorithm
 FORMULAS = {
@@ -71,20 +75,56 @@ def model_seconds(algorithm: str, nbytes: float, n: int, alpha_s: float, beta_bp
 
 
 @dataclass(frozen=True)
+class Segment:
+    """One size regime of a fit: the algorithm's formula with its own alpha and beta, for sizes
+    from `from_bytes` up to the next segment's."""
+
+    from_bytes: float
+    alpha_s: float
+    beta_bps: float  # bytes per second
+
+
+@dataclass(frozen=True)
 class Fit:
-    """One algorithm's fitted alpha and beta, with the points it was fitted to."""
+    """One algorithm's fitted model, with the points it was fitted to. Usually one segment; a
+    transport whose cost per byte changes with the size (gloo's protocol switches, a message
+    outgrowing the caches) gets up to MAX_SEGMENTS, as NCCL's tuner keeps a latency and a
+    bandwidth per protocol (LL, LL128, Simple) and switches by size."""
 
     collective: str  # all_reduce | all_gather | broadcast
     transport: str  # shm | gloo | nccl (+ "+bfloat16" / "+float16": compressed all-reduce)
     algorithm: str  # a FORMULAS key
     world_size: int  # n of the measurements
-    alpha_s: float
-    beta_bps: float  # bytes per second
+    segments: tuple[Segment, ...]  # ascending from_bytes; the first covers every smaller size
     sizes: tuple[int, ...] = ()
     measured_s: tuple[float, ...] = ()
 
+    @classmethod
+    def line(cls, collective: str, transport: str, algorithm: str, world_size: int, alpha_s: float,
+             beta_bps: float, **kw: Any) -> Fit:
+        """A one-segment fit (the plain alpha-beta model)."""
+        return cls(collective, transport, algorithm, world_size, (Segment(0.0, alpha_s, beta_bps),), **kw)
+
+    @property
+    def alpha_s(self) -> float:
+        """The latency term: the smallest messages' segment."""
+        return self.segments[0].alpha_s
+
+    @property
+    def beta_bps(self) -> float:
+        """The bandwidth term: the largest messages' segment."""
+        return self.segments[-1].beta_bps
+
+    def segment(self, nbytes: float) -> Segment:
+        seg = self.segments[0]
+        for s in self.segments[1:]:
+            if nbytes >= s.from_bytes:
+                seg = s
+        return seg
+
     def predict(self, nbytes: float, n: int | None = None) -> float:
-        return model_seconds(self.algorithm, nbytes, n or self.world_size, self.alpha_s, self.beta_bps)
+        seg = self.segment(nbytes)
+        return model_seconds(self.algorithm, nbytes, n or self.world_size, seg.alpha_s, seg.beta_bps)
 
     def rel_errors(self) -> list[float]:
         """(model - measured) / measured at each fitted size."""
@@ -93,28 +133,29 @@ class Fit:
     def to_json(self) -> dict[str, Any]:
         return {"collective": self.collective, "transport": self.transport, "algorithm": self.algorithm,
                 "formula": FORMULA_TEXT[self.algorithm], "world_size": self.world_size,
-                "alpha_s": self.alpha_s, "beta_bps": self.beta_bps, "sizes": list(self.sizes),
-                "measured_s": list(self.measured_s)}
+                "segments": [{"from_bytes": s.from_bytes, "alpha_s": s.alpha_s, "beta_bps": s.beta_bps}
+                             for s in self.segments],
+                "sizes": list(self.sizes), "measured_s": list(self.measured_s)}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Fit:
         alg = str(d["algorithm"])
         if alg not in FORMULAS:
             raise ValueError(f"comm model: unknown algorithm {alg!r}")
-        return cls(str(d["collective"]), str(d["transport"]), alg, int(d["world_size"]),
-                   float(d["alpha_s"]), float(d["beta_bps"]), tuple(int(s) for s in d.get("sizes", ())),
-                   tuple(float(t) for t in d.get("measured_s", ())))
+        if "segments" in d:
+            segs = tuple(Segment(float(s["from_bytes"]), float(s["alpha_s"]), float(s["beta_bps"]))
+                         for s in d["segments"])
+        else:  # version 1: one line
+            segs = (Segment(0.0, float(d["alpha_s"]), float(d["beta_bps"])),)
+        if not segs or any(b.from_bytes <= a.from_bytes for a, b in zip(segs, segs[1:])):
+            raise ValueError("comm model: a fit needs segments in ascending from_bytes")
+        return cls(str(d["collective"]), str(d["transport"]), alg, int(d["world_size"]), segs,
+                   tuple(int(s) for s in d.get("sizes", ())), tuple(float(t) for t in d.get("measured_s", ())))
 
 
-def fit(collective: str, transport: str, n: int, sizes: list[int], seconds: list[float],
-        algorithm: str | None = None) -> Fit:
-    """Weighted least squares of t = A(n) a + B(n) S / b over (S, t) points (see the module
-    docstring); alpha clamped at 0 and the slope kept positive."""
-    if len(sizes) != len(seconds) or not sizes:
-        raise ValueError("fit: need as many times as sizes, at least one")
-    alg = algorithm or algorithm_for(collective, transport)
-    fa, fb = FORMULAS[alg]
-    A, B = fa(n), fb(n)
+def _fit_line(A: float, B: float, sizes: list[int], seconds: list[float]) -> tuple[float, float, float]:
+    """(alpha, beta, sum of squared relative errors) of t = A a + B S / b over the points:
+    weighted least squares (see the module docstring), alpha clamped at 0, the slope positive."""
     # rows (A/t, B*S/t) . (a, 1/b) ~ 1
     rows = [(A / t, B * s / t) for s, t in zip(sizes, seconds)]
     sxx = sum(x * x for x, _ in rows)
@@ -126,16 +167,65 @@ def fit(collective: str, transport: str, n: int, sizes: list[int], seconds: list
     if det > 1e-12 * max(sxx * syy, 1e-300):
         a = (sx1 * syy - sy1 * sxy) / det
         inv_b = (sxx * sy1 - sxy * sx1) / det
+    sse = lambda c: sum((c[0] * x + c[1] * y - 1) ** 2 for x, y in rows)  # noqa: E731
     if a < 0 or inv_b <= 0:  # one parameter on its bound: refit the other alone
         cand = []
         if syy > 0:
             cand.append((0.0, sy1 / syy))
         if sxx > 0:
             cand.append((sx1 / sxx, 1e-30))
-        a, inv_b = min(cand, key=lambda c: sum((c[0] * x + c[1] * y - 1) ** 2 for x, y in rows))
+        a, inv_b = min(cand, key=sse)
     inv_b = max(inv_b, 1e-30)
-    return Fit(collective, transport, alg, n, float(a), float(1.0 / inv_b), tuple(int(s) for s in sizes),
-               tuple(float(t) for t in seconds))
+    return float(a), float(1.0 / inv_b), sse((a, inv_b))
+
+
+MAX_SEGMENTS = 3
+MIN_SEGMENT_POINTS = 4
+
+
+def fit(collective: str, transport: str, n: int, sizes: list[int], seconds: list[float],
+        algorithm: str | None = None, max_segments: int = MAX_SEGMENTS) -> Fit:
+    """The algorithm's formula fitted to the (S, t) points, in 1..max_segments contiguous size
+    regimes of >= MIN_SEGMENT_POINTS points each. Each regime is a weighted least-squares line
+    (module docstring); the breakpoints minimise the total squared relative error (dynamic
+    programming over the sorted sizes), and the number of regimes is the one with the lowest
+    Bayesian information criterion, N ln(SSE/N) + (3k - 1) ln N: a regime is added only when
+    it explains much more than its three parameters could by chance."""
+    if len(sizes) != len(seconds) or not sizes:
+        raise ValueError("fit: need as many times as sizes, at least one")
+    alg = algorithm or algorithm_for(collective, transport)
+    fa, fb = FORMULAS[alg]
+    A, B = fa(n), fb(n)
+    pts = sorted(zip(sizes, seconds))
+    S, T = [p[0] for p in pts], [p[1] for p in pts]
+    N = len(pts)
+    kmax = max(1, min(max_segments, N // MIN_SEGMENT_POINTS))
+    lines: dict[tuple[int, int], tuple[float, float, float]] = {}
+
+    def line(i: int, j: int) -> tuple[float, float, float]:  # points i..j-1
+        if (i, j) not in lines:
+            lines[(i, j)] = _fit_line(A, B, S[i:j], T[i:j])
+        return lines[(i, j)]
+
+    # best[k][j]: (sse, cuts) of the first j points in k segments
+    best: list[dict[int, tuple[float, tuple[int, ...]]]] = [{0: (0.0, ())}]
+    for k in range(1, kmax + 1):
+        row = {}
+        for j in range(k * MIN_SEGMENT_POINTS if k > 1 else 1, N + 1):
+            opts = [(prev + line(i, j)[2], cuts + (i,)) for i, (prev, cuts) in best[k - 1].items()
+                    if j - i >= (MIN_SEGMENT_POINTS if kmax > 1 else 1)]
+            if opts:
+                row[j] = min(opts)
+        best.append(row)
+    bic = lambda k: N * math.log(max(best[k][N][0], 1e-18) / N) + (3 * k - 1) * math.log(N)  # noqa: E731
+    k = min((k for k in range(1, kmax + 1) if N in best[k]), key=bic)
+    cuts = best[k][N][1] + (N,)
+    segs = []
+    for i, j in zip(cuts, cuts[1:]):
+        a, b, _ = line(i, j)
+        start = 0.0 if i == 0 else math.sqrt(S[i - 1] * S[i])  # boundary: geometric midpoint
+        segs.append(Segment(start, a, b))
+    return Fit(collective, transport, alg, n, tuple(segs), tuple(int(s) for s in S), tuple(float(t) for t in T))
 
 
 @dataclass(frozen=True)
@@ -188,8 +278,9 @@ class CommModel:
         """None for an empty or absent model (profiles cached before `strata bench comm` ran)."""
         if not d:
             return None
-        if int(d.get("version", MODEL_VERSION)) != MODEL_VERSION:
-            raise ValueError(f"comm model version {d.get('version')!r} != {MODEL_VERSION}")
+        if int(d.get("version", MODEL_VERSION)) not in (1, MODEL_VERSION):
+            raise ValueError(f"comm model version {d.get('version')!r}: this Strata reads 1 and {MODEL_VERSION}; "
+                             "run `strata bench comm` again")
         return cls(tuple(Fit.from_json(f) for f in d.get("fits", ())), str(d.get("source", "")),
                    str(d.get("host", "")), str(d.get("measured_at", "")),
                    tuple(str(x) for x in d.get("notes", ())))

@@ -2,9 +2,12 @@
 times every (collective, transport, size) point and the compressed all-reduce's numeric error;
 rank 0 writes the raw figures as JSON for the parent to tabulate and fit.
 
-The points are timed in several passes over the whole list, and each point keeps its quietest
-pass (the lowest median): on a shared machine another process's burst lifts every repetition
-of a point for a while, and a second look at another moment sees past it.
+The points are timed in several passes over the whole list, and a point's figures are over the
+repetitions of all its passes together (median, p10, p90), with each pass's median kept: on a
+shared machine the cost of a point moves over seconds (a neighbour's burst, idle vCPUs that
+are slow to wake), so one look is one moment. Pooling the passes gives the typical cost, which
+is what a cost model should predict; the spread of the pass medians says how much the point
+moved while it was measured.
 
 Timing, per point: a few warm-up calls, one timed call sets the repetitions (rank 0 decides,
 so every rank runs as many), then each repetition is timed on every rank; a repetition's time
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import socket
 import statistics
 import time
@@ -59,7 +63,7 @@ def _numel(collective: str, nbytes: int, n: int, itemsize: int) -> int:
 
 
 def time_point(comm: Communicator, device: str, collective: str, transport: str, nbytes: int,
-               budget_s: float, min_reps: int, max_reps: int) -> dict | None:
+               budget_s: float, min_reps: int, max_reps: int, warmup: int = WARMUP) -> dict | None:
     n = comm.world_size
     comm_dtype = None
     if "+" in transport:  # compressed all-reduce: fp32 tensors, 16-bit on the wire
@@ -72,7 +76,7 @@ def time_point(comm: Communicator, device: str, collective: str, transport: str,
     saved, comm.comm_dtype = comm.comm_dtype, comm_dtype
     try:
         op = _op(comm, collective, transport, t)
-        for _ in range(WARMUP):
+        for _ in range(warmup):
             op()
         _sync(device)
         t0 = time.perf_counter()
@@ -90,12 +94,18 @@ def time_point(comm: Communicator, device: str, collective: str, transport: str,
     finally:
         comm.comm_dtype = saved
     dist.all_reduce(times, op=dist.ReduceOp.MAX, group=comm.meta_group)
-    ts = sorted(times.tolist())
-    q = lambda p: ts[min(len(ts) - 1, int(p * len(ts)))]  # noqa: E731
     return {"collective": collective, "transport": transport + (f"+{str(comm_dtype)[6:]}" if comm_dtype else ""),
-            "bytes": int(numel * 4 * (n if collective == "all_gather" else 1)),
-            "reps": len(ts), "median_s": statistics.median(ts), "p10_s": q(0.1), "p90_s": q(0.9),
-            "min_s": ts[0], "max_s": ts[-1]}
+            "bytes": int(numel * 4 * (n if collective == "all_gather" else 1)), "times": times.tolist()}
+
+
+def pooled(passes: list[dict]) -> dict:
+    """One point's figures over the repetitions of all its passes (see the module docstring)."""
+    ts = sorted(t for p in passes for t in p["times"])
+    q = lambda p: ts[min(len(ts) - 1, int(p * len(ts)))]  # noqa: E731
+    meds = [statistics.median(p["times"]) for p in passes]
+    head = {k: v for k, v in passes[0].items() if k != "times"}
+    return dict(head, reps=len(ts), median_s=statistics.median(ts), p10_s=q(0.1), p90_s=q(0.9),
+                min_s=ts[0], max_s=ts[-1], pass_medians_s=meds)
 
 
 def error_point(comm: Communicator, device: str, transport: str, comm_dtype: str | None, nbytes: int) -> dict:
@@ -125,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compress-sizes", default="65536,4194304")
     p.add_argument("--device", default="cpu")
     p.add_argument("--budget-s", type=float, default=0.2, help="time spent per point, all passes")
-    p.add_argument("--passes", type=int, default=3)
+    p.add_argument("--passes", type=int, default=8)
     p.add_argument("--min-reps", type=int, default=3)
     p.add_argument("--max-reps", type=int, default=400)
     p.add_argument("--timeout", type=float, default=60.0)
@@ -149,13 +159,17 @@ def main(argv: list[str] | None = None) -> int:
             algos = algos + [f"{t}+{c}" for c in args.compress.split(",") if c for t in transports]
         specs += [(collective, tr, s) for tr in algos
                   for s in (sizes[::2] if "+" in tr else sizes)]  # compressed: every other size
-    best: dict[tuple, dict] = {}
-    for _ in range(args.passes):  # the quietest pass of each point counts (see the docstring)
-        for spec in specs:
-            pt = time_point(comm, device, *spec, args.budget_s / args.passes, args.min_reps, args.max_reps)
-            if pt is not None and (spec not in best or pt["median_s"] < best[spec]["median_s"]):
-                best[spec] = pt
-    points = [best[s] for s in specs if s in best]
+    seen: dict[tuple, list[dict]] = {}
+    min_reps = max(1, -(-args.min_reps // args.passes))  # the pooled point has >= --min-reps
+    for k in range(args.passes):  # pooled over the passes (see the module docstring)
+        order = list(specs)
+        random.Random(k).shuffle(order)  # every rank the same order; no point always after another
+        for spec in order:
+            pt = time_point(comm, device, *spec, args.budget_s / args.passes, min_reps,
+                            max(1, args.max_reps // args.passes), WARMUP if k == 0 else 1)
+            if pt is not None:
+                seen.setdefault(spec, []).append(pt)
+    points = [pooled(seen[s]) for s in specs if s in seen]
     for s in [int(x) for x in args.compress_sizes.split(",") if x]:
         for tr in transports:
             for cd in [None] + [c for c in args.compress.split(",") if c]:

@@ -14,6 +14,7 @@ from strata.comm.alpha_beta import (
     FORMULAS,
     CommModel,
     Fit,
+    Segment,
     bus_bandwidth,
     fit,
     model_seconds,
@@ -48,6 +49,48 @@ def test_fit_with_noise_and_bounds() -> None:
     assert flat.alpha_s > 0 and flat.beta_bps > 0 and all(abs(e) < 0.05 for e in flat.rel_errors())
     with pytest.raises(ValueError):
         fit("all_reduce", "shm", 2, [8], [])
+
+
+def test_fit_finds_size_regimes() -> None:
+    """A transport whose cost changes regime with the size (a protocol switch at 64 KiB, DRAM
+    bandwidth past 8 MiB) gets one segment per regime, with each regime's alpha and beta."""
+    sizes = [8 * 2**k for k in range(26)]  # 8 B .. 256 MiB
+    regimes = [(0, 300e-6, 5e9), (64 * 1024, 500e-6, 1.5e9), (8 * 2**20, 0.0, 0.8e9)]
+
+    def truth(s: int) -> float:
+        _, a, b = [r for r in regimes if s >= r[0]][-1]
+        return model_seconds("ring", s, 2, a, b)
+
+    rng = random.Random(1)
+    times = [truth(s) * (1 + rng.uniform(-0.03, 0.03)) for s in sizes]
+    f = fit("all_reduce", "gloo", 2, sizes, times)
+    assert len(f.segments) == 3
+    assert max(abs(e) for e in f.rel_errors()) < 0.08
+    assert 32 * 1024 < f.segments[1].from_bytes <= 64 * 1024 and 4 * 2**20 < f.segments[2].from_bytes <= 8 * 2**20
+    assert f.segments[0].alpha_s == pytest.approx(300e-6, rel=0.05)
+    assert f.segments[2].beta_bps == pytest.approx(0.8e9, rel=0.05)
+    assert f.alpha_s == f.segments[0].alpha_s and f.beta_bps == f.segments[2].beta_bps
+    assert f.predict(2**31) == pytest.approx(model_seconds("ring", 2**31, 2, f.segments[2].alpha_s, 0.8e9 * 1.0),
+                                             rel=0.05)  # beyond the range: the last regime
+    # one noisy line stays one line (the information criterion does not split noise)
+    one = [model_seconds("ring", s, 2, 300e-6, 2e9) * (1 + rng.uniform(-0.1, 0.1)) for s in sizes]
+    assert len(fit("all_reduce", "gloo", 2, sizes, one).segments) == 1
+    # few points: one line; max_segments=1 forces one
+    assert len(fit("all_reduce", "gloo", 2, sizes[:6], times[:6]).segments) == 1
+    assert len(fit("all_reduce", "gloo", 2, sizes, times, max_segments=1).segments) == 1
+
+
+def test_version_1_model_still_loads() -> None:
+    old = {"version": 1, "fits": [{"collective": "all_reduce", "transport": "gloo", "algorithm": "ring",
+                                  "world_size": 2, "alpha_s": 1e-4, "beta_bps": 1e9}]}
+    m = CommModel.from_json(old)
+    f = m.get("all_reduce", "gloo", 2)
+    assert f.segments == (Segment(0.0, 1e-4, 1e9),)
+    assert f.predict(1e6) == pytest.approx(model_seconds("ring", 1e6, 2, 1e-4, 1e9))
+    bad = {"version": 2, "fits": [dict(old["fits"][0], segments=[
+        {"from_bytes": 10, "alpha_s": 1e-4, "beta_bps": 1e9}, {"from_bytes": 5, "alpha_s": 1e-4, "beta_bps": 1e9}])]}
+    with pytest.raises(ValueError, match="ascending"):
+        CommModel.from_json(bad)
 
 
 def test_formulas_and_bus_bandwidth() -> None:
@@ -96,8 +139,8 @@ def test_json_round_trip_and_merge() -> None:
     bad["fits"][0]["algorithm"] = "butterfly"
     with pytest.raises(ValueError):
         CommModel.from_json(bad)
-    newer = CommModel((replace(m.fits[0], alpha_s=1e-6),
-                       Fit("all_reduce", "shm", "shm", 4, 2e-6, 1e10)), measured_at="2026-02-02")
+    newer = CommModel((replace(m.fits[0], segments=(Segment(0.0, 1e-6, 2e10),)),
+                       Fit.line("all_reduce", "shm", "shm", 4, 2e-6, 1e10)), measured_at="2026-02-02")
     merged = m.merged(newer)
     keys = sorted((f.transport, f.world_size, f.alpha_s) for f in merged.fits)
     assert keys == [("gloo", 2, m.fits[1].alpha_s), ("shm", 2, 1e-6), ("shm", 4, 2e-6)]

@@ -63,13 +63,14 @@ def test_bench_comm_end_to_end(tmp_path) -> None:
         pts = [p for p in d["points"] if (p["collective"], p["transport"]) == (coll, tr)]
         assert [p["bytes"] for p in pts] == sizes, (coll, tr)
         for p in pts:
-            assert p["p10_s"] <= p["median_s"] <= p["p90_s"] and p["reps"] >= 3
+            assert p["p10_s"] <= p["median_s"] <= p["p90_s"] and p["reps"] >= 3 and len(p["pass_medians_s"]) == 1
             assert p["algbw_gbs"] > 0 and p["model_s"] > 0 and math_ok(p["model_err"])
             factor = {"all_reduce": 1.0, "all_gather": 0.5, "broadcast": 1.0}[coll]  # 2(n-1)/n, (n-1)/n
             assert p["busbw_gbs"] == pytest.approx(p["algbw_gbs"] * factor)
     assert any(p["transport"] == "shm+bfloat16" for p in d["points"])
     fits = {(f["collective"], f["transport"]): f for f in d["fits"]}
-    assert fits[("all_reduce", "shm")]["alpha_s"] > 0 and fits[("all_reduce", "gloo")]["beta_bps"] > 0
+    assert fits[("all_reduce", "shm")]["segments"][0]["alpha_s"] > 0
+    assert fits[("all_reduce", "gloo")]["segments"][-1]["beta_bps"] > 0
     assert fits[("all_reduce", "gloo")]["formula"] == "2(n-1)*a + 2(n-1)/n*S/b"
     errs = {(e["transport"], e["comm_dtype"], e["bytes"]) for e in d["errors"]}
     assert ("shm", "bfloat16", 65536) in errs and ("gloo", "float32", 65536) in errs
@@ -84,3 +85,14 @@ def test_bench_comm_end_to_end(tmp_path) -> None:
 
 def math_ok(x: float) -> bool:
     return x == x and abs(x) < 100
+
+
+def test_a_point_pools_the_repetitions_of_its_passes() -> None:
+    from strata.bench.comm import pass_spread
+    from strata.comm.bench_worker import pooled
+
+    head = {"collective": "all_reduce", "transport": "gloo", "bytes": 8}
+    p = pooled([dict(head, times=[3.0, 1.0, 2.0]), dict(head, times=[10.0, 11.0])])
+    assert p["median_s"] == 3.0 and p["reps"] == 5 and p["min_s"] == 1.0 and p["max_s"] == 11.0
+    assert p["pass_medians_s"] == [2.0, 10.5] and "times" not in p and p["bytes"] == 8
+    assert pass_spread(p) == pytest.approx((10.5 - 2.0) / 3.0)
