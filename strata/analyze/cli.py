@@ -48,7 +48,7 @@ def cmd_train_plan(args: argparse.Namespace) -> int:
         precision=args.precision, activation_checkpointing=args.activation_checkpointing,
         ac_every=args.ac_every, world_size=args.world_size, distributed=args.distributed,
         device=args.device, hardware=args.hardware, ddp_bucket_mb=args.ddp_bucket_mb,
-        loss_chunk_tokens=args.loss_chunk_tokens,
+        loss_chunk_tokens=args.loss_chunk_tokens, fused_loss=args.fused_loss,
     )
     plan = build_train_plan(req)
     if args.measure:
@@ -155,6 +155,8 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ddp-bucket-mb", type=float, default=d.ddp_bucket_mb, help="DDP gradient bucket size")
     g.add_argument("--loss-chunk-tokens", type=int, default=d.loss_chunk_tokens,
                    help="as strata train: LM head + loss over this many tokens at a time (default 0 = off)")
+    g.add_argument("--fused-loss", action=argparse.BooleanOptionalAction, default=d.fused_loss,
+                   help="as strata train: LM head + loss fused by chunks (default on)")
     g.add_argument("--device", default=d.device, help="this machine's training device (default cpu)")
     g.add_argument("--measure", action="store_true",
                    help="also run strata train for 3 steps with these settings and compare its peak")

@@ -54,6 +54,7 @@ class TrainPlanRequest:
     hardware: str = "this"
     ddp_bucket_mb: float = 25.0
     loss_chunk_tokens: int = 0
+    fused_loss: bool = True
 
 
 @dataclass
@@ -137,7 +138,7 @@ def build_train_plan(req: TrainPlanRequest, runtime_baseline_bytes: int | None =
             activation_checkpointing=mode, ac_every=req.ac_every, world_size=world,
             distributed=req.distributed, device_type=device_type, ddp_bucket_mb=req.ddp_bucket_mb,
             data_tokens=0, runtime_baseline_bytes=runtime_baseline_bytes, model_name=req.model,
-            loss_chunk_tokens=req.loss_chunk_tokens)
+            loss_chunk_tokens=req.loss_chunk_tokens, fused_loss=req.fused_loss)
 
     by_mode = {m: predict(m) for m in ACTIVATION_CHECKPOINTING}
     return TrainPlan(req, by_mode[req.activation_checkpointing], by_mode, reason, device_name, memory)
@@ -171,7 +172,8 @@ def train_command(req: TrainPlanRequest, tmp: Path, world: int, threads: int | N
            "--max-steps", str(MEASURE_STEPS), "--warmup-steps", "1", "--log-every", "1",
            "--save-every", "0", "--no-tensorboard", "--no-resume", "--num-workers", "0",
            "--out-dir", str(tmp / "out"), "--device", req.device, "--distributed", req.distributed,
-           "--ddp-bucket-mb", str(req.ddp_bucket_mb), "--loss-chunk-tokens", str(req.loss_chunk_tokens)]
+           "--ddp-bucket-mb", str(req.ddp_bucket_mb), "--loss-chunk-tokens", str(req.loss_chunk_tokens),
+           "--fused-loss" if req.fused_loss else "--no-fused-loss"]
     if world > 1:
         cmd += ["--nproc-per-node", str(world)]
     if threads:
@@ -222,7 +224,7 @@ def measure(plan: TrainPlan, threads: int | None = None) -> TrainPlan:
         ac_every=m.ac_every, world_size=m.world_size, distributed=m.distributed, device_type=m.device_type,
         ddp_bucket_mb=req.ddp_bucket_mb, data_tokens=data_tokens,
         runtime_baseline_bytes=m.components["runtime baseline"], model_name=req.model,
-        loss_chunk_tokens=req.loss_chunk_tokens)
+        loss_chunk_tokens=req.loss_chunk_tokens, fused_loss=req.fused_loss)
     plan.measured_peak = peak
     return plan
 

@@ -41,6 +41,8 @@ HELP = {
     "ac_every": "selective checkpointing: every k-th decoder layer",
     "loss_chunk_tokens": "run the LM head + loss over this many tokens at a time, recomputed in "
                          "backward: the [tokens, vocab] logits never exist whole (0 = off)",
+    "fused_loss": "LM head + cross-entropy fused by chunks of tokens, their gradients computed in the "
+                  "forward: no [tokens, vocab] logits, nothing recomputed (--loss-chunk-tokens wins)",
     "distributed": "data parallelism when there are several ranks: ddp or fsdp (FSDP2 fully_shard)",
     "nproc_per_node": "spawn this many ranks locally (under torchrun its environment decides)",
     "ddp_comm_dtype": "compress DDP's gradient all-reduce to 16 bits (torch comm hook)",

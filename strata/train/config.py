@@ -53,6 +53,7 @@ class TrainConfig:
     activation_checkpointing: str = "none"
     ac_every: int = 2  # selective: checkpoint every k-th decoder layer
     loss_chunk_tokens: int = 0  # LM head + loss over this many tokens at a time (0 = all at once)
+    fused_loss: bool = True  # LM head + loss fused by chunks, gradients in the forward (fused_loss.py)
     # distributed (torchrun's environment, or --nproc-per-node to spawn locally)
     distributed: str = "ddp"
     nproc_per_node: int = 1

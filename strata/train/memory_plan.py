@@ -196,7 +196,7 @@ class SavedForBackward:
 
 def saved_for_backward(cfg: ModelConfig, seq_len: int, micro_batch: int, compute_dtype: torch.dtype,
                        mode: str = "none", every: int = 2, device_type: str = "cpu",
-                       loss_chunk_tokens: int = 0) -> SavedForBackward:
+                       loss_chunk_tokens: int = 0, fused_loss: bool = False) -> SavedForBackward:
     """What autograd saves in one forward of the training loss under checkpointing `mode`."""
     tokens = seq_len * micro_batch
     c = _itemsize(compute_dtype)
@@ -224,7 +224,9 @@ def saved_for_backward(cfg: ModelConfig, seq_len: int, micro_batch: int, compute
         rotary=tokens * 2 * FP32 * cfg.head_dim,  # fp32: the embedding's dtype decides
         # a chunked loss (--loss-chunk-tokens) checkpoints each chunk: it keeps only its input, a
         # view of the final norm's output counted above
-        lm_head_copy=cast * lm_head_elems(cfg), logits=0 if loss_chunk_tokens else tokens * FP32 * cfg.vocab_size,
+        # the fused loss keeps the gradients it computed instead (FUSED_GRADS in _phases)
+        lm_head_copy=cast * lm_head_elems(cfg),
+        logits=0 if loss_chunk_tokens or fused_loss else tokens * FP32 * cfg.vocab_size,
         token_ids=INDEX * (micro_batch * (seq_len + 1) + tokens))
 
 
@@ -238,6 +240,7 @@ ACTIVATIONS = "activations (saved for backward)"
 COPIES = "autocast weight copies"
 LOGITS = "logits + cross-entropy"
 GRADS = "gradients (fp32)"
+FUSED_GRADS = "fused loss: its saved gradients"
 WORKSPACE = "backward workspace"
 HEAP_SLACK = "allocator retention (CPU heap)"
 
@@ -305,8 +308,39 @@ def cpu_heap_slack(cfg: ModelConfig, tokens: int) -> int:
     return tokens * sum(layer_saved(cfg, FP32, fused=False).values()) + _layer_workspace(cfg, tokens, FP32)
 
 
+def _unfused_loss_phases(cfg: ModelConfig, logit_tokens: int, v: int, c: int, copies: int, acts: int,
+                         step_copies: int, head_grad: int, grads) -> dict[str, dict[str, int]]:
+    """F.cross_entropy over the logits (of every token, or of one --loss-chunk-tokens chunk)."""
+    return {
+        "forward end (cross-entropy forward)": {COPIES: copies, ACTIVATIONS: acts,
+                                                LOGITS: _ce_forward(cfg, logit_tokens, c)},
+        "cross-entropy backward": {COPIES: step_copies, ACTIVATIONS: acts, LOGITS: 3 * FP32 * v},
+        # the logits' gradient cast to the compute dtype (the fp32 one still alive), then lm_head's
+        "lm_head backward": {COPIES: step_copies, ACTIVATIONS: acts,
+                             LOGITS: c * v + (FP32 * v if c != FP32 else 0), **grads(head_grad)},
+    }
+
+
+def _fused_loss_phases(cfg: ModelConfig, tokens: int, c: int, copies: int, acts: int, step_copies: int,
+                       head_grad: int, grads) -> dict[str, dict[str, int]]:
+    """The fused loss (train/fused_loss.py): one chunk's logits at a time (its buffer, the fp32
+    view of it and logsumexp's temporary; below fp32 the gradient's cast too), while the hidden
+    states' and the head's gradients it computes accumulate; backward scales both (new tensors),
+    the head's copy becoming its .grad."""
+    from strata.train.fused_loss import chunk_tokens_for
+
+    v = chunk_tokens_for(cfg.vocab_size, tokens) * cfg.vocab_size
+    saved = FP32 * tokens * cfg.hidden_size + FP32 * cfg.vocab_size * cfg.hidden_size
+    chunk = 2 * FP32 * v + (2 * c * v + c * cfg.vocab_size * cfg.hidden_size if c != FP32 else 0)
+    return {
+        "fused loss forward (one chunk)": {COPIES: copies, ACTIVATIONS: acts, LOGITS: chunk, FUSED_GRADS: saved},
+        "lm_head backward": {COPIES: step_copies, ACTIVATIONS: acts, FUSED_GRADS: saved,
+                             WORKSPACE: FP32 * tokens * cfg.hidden_size, **grads(head_grad)},
+    }
+
+
 def _phases(cfg: ModelConfig, saved: SavedForBackward, tokens: int, c: int, shard: int, cast: bool,
-            keep_grads: bool, loss_chunk_tokens: int = 0) -> dict[str, dict[str, int]]:
+            keep_grads: bool, loss_chunk_tokens: int = 0, fused_loss: bool = False) -> dict[str, dict[str, int]]:
     """What each moment of the step holds beyond the static parts. The forward ends with every
     autocast copy still cached; backward walks the layers from the last, freeing each layer's saved
     tensors (and re-creating a checkpointed one's) while the gradients accumulate."""
@@ -320,14 +354,11 @@ def _phases(cfg: ModelConfig, saved: SavedForBackward, tokens: int, c: int, shar
 
     all_copies = k * (sum(la.cached_copies for la in saved.layers) + saved.lm_head_copy)
     acts = saved.activations + saved.token_ids
-    phases = {
-        "forward end (cross-entropy forward)": {COPIES: all_copies, ACTIVATIONS: acts,
-                                                LOGITS: _ce_forward(cfg, logit_tokens, c)},
-        "cross-entropy backward": {COPIES: k * saved.weight_copies, ACTIVATIONS: acts, LOGITS: 3 * FP32 * v},
-        # the logits' gradient cast to the compute dtype (the fp32 one still alive), then lm_head's
-        "lm_head backward": {COPIES: k * saved.weight_copies, ACTIVATIONS: acts,
-                             LOGITS: c * v + (FP32 * v if c != FP32 else 0), **grads(head_grad)},
-    }
+    if fused_loss and not loss_chunk_tokens:
+        phases = _fused_loss_phases(cfg, tokens, c, all_copies, acts, k * saved.weight_copies, head_grad, grads)
+    else:
+        phases = _unfused_loss_phases(cfg, logit_tokens, v, c, all_copies, acts, k * saved.weight_copies,
+                                      head_grad, grads)
     for j in reversed(range(cfg.num_layers)):
         below = saved.layers[: j + 1]
         phases[f"layer {j} backward"] = {
@@ -338,7 +369,15 @@ def _phases(cfg: ModelConfig, saved: SavedForBackward, tokens: int, c: int, shar
             # layer j's own gradients appear as its saved tensors go: count the layers above it
             **grads(head_grad + (cfg.num_layers - 1 - j) * layer_grad),
         }
-    phases["optimizer step"] = grads(FP32 * total_params(cfg) // shard)
+    # The embedding's backward builds its dense [vocab, hidden] gradient (zeros, then index_add).
+    # Tied to the LM head, that is summed with the head's contribution (already counted) into a
+    # third buffer before it becomes .grad: two embedding-sized transients over every gradient.
+    # Untied, the dense gradient is the .grad itself. Measured (`--measure`, smol-135m, 30
+    # layers): +2 x 108 MiB at this moment, the step's peak when the logits are small.
+    emb_grad = FP32 * cfg.vocab_size * cfg.hidden_size // shard
+    all_grads = grads(FP32 * total_params(cfg) // shard)
+    phases["embedding backward"] = {WORKSPACE: 2 * emb_grad if cfg.tie_word_embeddings else 0, **all_grads}
+    phases["optimizer step"] = all_grads
     return phases
 
 
@@ -347,15 +386,16 @@ def predict_train_memory(cfg: ModelConfig, *, seq_len: int, micro_batch_size: in
                          ac_every: int = 2, world_size: int = 1, distributed: str = "ddp",
                          device_type: str = "cpu", ddp_bucket_mb: float = 25.0, data_tokens: int = 0,
                          runtime_baseline_bytes: int | None = None, model_name: str = "",
-                         loss_chunk_tokens: int = 0) -> TrainMemory:
+                         loss_chunk_tokens: int = 0, fused_loss: bool = False) -> TrainMemory:
     """Peak memory of one training rank and its components (see the module docstring)."""
     c = _itemsize(compute_dtype)
+    fused_loss = fused_loss and not loss_chunk_tokens and cfg.final_logit_softcapping is None  # as the trainer decides
     n = max(1, world_size)
     fsdp, ddp = distributed == "fsdp" and n > 1, distributed == "ddp" and n > 1
     shard = n if fsdp else 1
     params = total_params(cfg)
     saved = saved_for_backward(cfg, seq_len, micro_batch_size, compute_dtype, activation_checkpointing,
-                               ac_every, device_type, loss_chunk_tokens)
+                               ac_every, device_type, loss_chunk_tokens, fused_loss)
     if runtime_baseline_bytes is None:
         runtime_baseline_bytes = runtime_baseline(device_type)
     static = {
@@ -373,7 +413,7 @@ def predict_train_memory(cfg: ModelConfig, *, seq_len: int, micro_batch_size: in
         static[HEAP_SLACK] = cpu_heap_slack(cfg, seq_len * micro_batch_size)
     # FSDP's mixed precision casts the parameters itself: autocast finds nothing to cache
     phases = _phases(cfg, saved, seq_len * micro_batch_size, c, shard, cast=not fsdp, keep_grads=ddp,
-                     loss_chunk_tokens=loss_chunk_tokens)
+                     loss_chunk_tokens=loss_chunk_tokens, fused_loss=fused_loss)
     totals = {name: sum(parts.values()) for name, parts in phases.items()}
     peak_phase = max(totals, key=totals.__getitem__)
     at_peak = {**static, **{k: v for k, v in phases[peak_phase].items() if v}}

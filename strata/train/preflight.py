@@ -190,7 +190,7 @@ def _predict(cfg: TrainConfig, model: ModelConfig, dtype: torch.dtype, data_toke
         activation_checkpointing=mode or cfg.activation_checkpointing, ac_every=cfg.ac_every,
         world_size=world_size(cfg), distributed=cfg.distributed, device_type=torch.device(cfg.device).type,
         ddp_bucket_mb=cfg.ddp_bucket_mb, data_tokens=data_tokens, runtime_baseline_bytes=baseline,
-        loss_chunk_tokens=cfg.loss_chunk_tokens)
+        loss_chunk_tokens=cfg.loss_chunk_tokens, fused_loss=cfg.fused_loss)
 
 
 def _memory_fix(cfg: TrainConfig, model: ModelConfig, dtype: torch.dtype, data_tokens: int, baseline: int | None,

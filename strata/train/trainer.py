@@ -31,6 +31,7 @@ from strata.train.config import TrainConfig
 from strata.train.data import PackedWindows, batch_for, data_files, tokenize
 from strata.train.export import export_hf
 from strata.train.flops import train_flops_per_token
+from strata.train.fused_loss import fused_cross_entropy
 from strata.train.metrics import MetricsSink, SpikeDetector, peak_memory_bytes
 from strata.train.model_init import build_model, load_tokenizer, resolve
 from strata.train.optim import lr_at, make_optimizer, set_lr
@@ -49,16 +50,23 @@ class LanguageModelLoss(nn.Module):
     With `chunk_tokens`, the LM head and the loss run over that many tokens at a time, each chunk
     under activation checkpointing: the [tokens, vocab] logits (and their fp32 copy, log-softmax
     and gradient) exist for one chunk at a time instead of the whole batch, for one more LM-head
-    matmul in backward. Equal to the unchunked loss up to float summation order."""
+    matmul in backward. Equal to the unchunked loss up to float summation order.
 
-    def __init__(self, lm: CausalLM, chunk_tokens: int = 0) -> None:
+    Else with `fused` (the default), the LM head and the loss run fused by chunks with their
+    gradients computed in the forward (fused_loss.py: no whole logits either, nothing recomputed)
+    while grad mode is on and the head is a plain linear one (no logit soft-capping)."""
+
+    def __init__(self, lm: CausalLM, chunk_tokens: int = 0, fused: bool = False) -> None:
         super().__init__()
         self.lm = lm
         self.chunk_tokens = chunk_tokens
+        self.fused = fused and not chunk_tokens and lm.config.final_logit_softcapping is None
 
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         hidden = self.lm(input_ids, positions)
+        if self.fused and torch.is_grad_enabled():
+            return fused_cross_entropy(hidden, self.lm.lm_head, targets)
         if not self.chunk_tokens:
             logits = self.lm.compute_logits(hidden)
             return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
@@ -126,7 +134,7 @@ class Trainer:
         self.precision = Precision(dtype, cfg.device)
         self.lm = build_model(self.src, cfg.seed, None).to(cfg.device)
         self.num_checkpointed = apply_activation_checkpointing(self.lm, cfg.activation_checkpointing, cfg.ac_every)
-        self.module = distributed.wrap(LanguageModelLoss(self.lm, cfg.loss_chunk_tokens), self.lm.layers, cfg, self.world, dtype)
+        self.module = distributed.wrap(LanguageModelLoss(self.lm, cfg.loss_chunk_tokens, cfg.fused_loss), self.lm.layers, cfg, self.world, dtype)
         self.optimizer = make_optimizer(self.module, cfg)
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.flops_per_token = train_flops_per_token(self.model_config, cfg.seq_len)

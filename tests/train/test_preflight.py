@@ -5,6 +5,7 @@ checklist on the demo model with a small text file."""
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -139,9 +140,12 @@ def test_tf32_and_sequence_length() -> None:
 def test_memory_check_against_the_planner() -> None:
     model = resolve("demo", None).model_config
     cfg = _cfg(seq_len=512, micro_batch_size=16)
-    m = memory_plan.predict_train_memory(model, seq_len=512, micro_batch_size=16, runtime_baseline_bytes=BASELINE)
+    m = memory_plan.predict_train_memory(model, seq_len=512, micro_batch_size=16, runtime_baseline_bytes=BASELINE,
+                                         fused_loss=cfg.fused_loss)
     roomy = check_memory(cfg, model, torch.float32, 0, 4 * m.peak_bytes, BASELINE)
-    assert roomy.status == PASS and "cross-entropy backward" in roomy.detail
+    assert cfg.fused_loss and roomy.status == PASS and "fused loss forward" in roomy.detail
+    unfused = replace(cfg, fused_loss=False)
+    assert "cross-entropy backward" in check_memory(unfused, model, torch.float32, 0, 8 * m.peak_bytes, BASELINE).detail
     tight = check_memory(cfg, model, torch.float32, 0, int(m.peak_bytes * 1.05), BASELINE)
     assert tight.status == WARN
     over = check_memory(cfg, model, torch.float32, 0, m.peak_bytes // 2 + BASELINE, BASELINE)
