@@ -301,11 +301,18 @@ def _layer_workspace(cfg: ModelConfig, tokens: int, c: int) -> int:
 def cpu_heap_slack(cfg: ModelConfig, tokens: int) -> int:
     """Freed memory glibc malloc keeps resident on CPU (RSS above the live bytes): tensors under its
     mmap threshold (which grows to 32 MiB as large blocks are freed) come from the heap, and freed
-    heap chunks below its top stay mapped. Measured with `strata plan --train --measure` (demo and
-    a 4-layer smol-135m shape; fp32 and bf16; none and full checkpointing): about one decoder
-    layer's fp32 saved tensors plus its backward workspace, the scratch the latest layer leaves
-    behind (fp32 whatever the autocast dtype: the norms, rotary and residual stream are)."""
-    return tokens * sum(layer_saved(cfg, FP32, fused=False).values()) + _layer_workspace(cfg, tokens, FP32)
+    heap chunks below its top stay mapped. Measured with `strata plan --train --measure`: about one
+    decoder layer's fp32 saved tensors plus its backward workspace, the scratch the latest layer
+    leaves behind (fp32 whatever the autocast dtype: the norms, rotary and residual stream are;
+    fitted on demo and a 4-layer smol-135m shape, fp32 and bf16, none and full checkpointing),
+    plus, per layer, a hole the size of one fp32 MLP activation that later allocations do not
+    fill: the 30-layer smol-135m shape at 2,048 and 8,192 tokens (fp32, none and full, fused and
+    unfused loss) left 1.1-2.6 GiB above the live bytes, 4.7-10.7 KB per token and layer more
+    than one layer's scratch, where one fp32 MLP activation is 6 KB. Forcing the threshold down (MALLOC_MMAP_THRESHOLD_=128 KiB) makes
+    RSS follow the live bytes but cost 28% of the step in page faults, so the slack is priced,
+    not removed."""
+    one_layer = tokens * sum(layer_saved(cfg, FP32, fused=False).values()) + _layer_workspace(cfg, tokens, FP32)
+    return one_layer + cfg.num_layers * tokens * FP32 * cfg.intermediate_size
 
 
 def _unfused_loss_phases(cfg: ModelConfig, logit_tokens: int, v: int, c: int, copies: int, acts: int,
