@@ -19,9 +19,17 @@ from __future__ import annotations
 
 import torch
 
+from strata.model_config import ModelConfig
+
 IGNORE_INDEX = -100
 CHUNK_LOGITS_BYTES = 256 * 2**20  # a chunk's fp32 logits at most this big ...
 MIN_CHUNK_TOKENS = 512  # ... but never fewer tokens (each chunk reads and writes the head's gradient)
+
+
+def fused_loss_applies(cfg: ModelConfig, fused: bool, loss_chunk_tokens: int) -> bool:
+    """Whether the trainer runs the fused loss for this ModelConfig: asked for, not overridden by
+    --loss-chunk-tokens, and a plain linear head (no logit soft-capping)."""
+    return fused and not loss_chunk_tokens and cfg.final_logit_softcapping is None
 
 
 def chunk_tokens_for(vocab_size: int, tokens: int) -> int:

@@ -46,6 +46,7 @@ import torch
 
 from strata.model_config import ModelConfig
 from strata.train.activation_checkpoint import wrapped_layers
+from strata.train.fused_loss import chunk_tokens_for, fused_loss_applies
 
 logger = logging.getLogger(__name__)
 
@@ -308,9 +309,9 @@ def cpu_heap_slack(cfg: ModelConfig, tokens: int) -> int:
     plus, per layer, a hole the size of one fp32 MLP activation that later allocations do not
     fill: the 30-layer smol-135m shape at 2,048 and 8,192 tokens (fp32, none and full, fused and
     unfused loss) left 1.1-2.6 GiB above the live bytes, 4.7-10.7 KB per token and layer more
-    than one layer's scratch, where one fp32 MLP activation is 6 KB. Forcing the threshold down (MALLOC_MMAP_THRESHOLD_=128 KiB) makes
-    RSS follow the live bytes but cost 28% of the step in page faults, so the slack is priced,
-    not removed."""
+    than one layer's scratch, where one fp32 MLP activation is 6 KB. Forcing the threshold down
+    (MALLOC_MMAP_THRESHOLD_=128 KiB) makes RSS follow the live bytes but cost 28% of the step in
+    page faults, so the slack is priced, not removed."""
     one_layer = tokens * sum(layer_saved(cfg, FP32, fused=False).values()) + _layer_workspace(cfg, tokens, FP32)
     return one_layer + cfg.num_layers * tokens * FP32 * cfg.intermediate_size
 
@@ -334,8 +335,6 @@ def _fused_loss_phases(cfg: ModelConfig, tokens: int, c: int, copies: int, acts:
     view of it and logsumexp's temporary; below fp32 the gradient's cast too), while the hidden
     states' and the head's gradients it computes accumulate; backward scales both (new tensors),
     the head's copy becoming its .grad."""
-    from strata.train.fused_loss import chunk_tokens_for
-
     v = chunk_tokens_for(cfg.vocab_size, tokens) * cfg.vocab_size
     saved = FP32 * tokens * cfg.hidden_size + FP32 * cfg.vocab_size * cfg.hidden_size
     chunk = 2 * FP32 * v + (2 * c * v + c * cfg.vocab_size * cfg.hidden_size if c != FP32 else 0)
@@ -361,7 +360,7 @@ def _phases(cfg: ModelConfig, saved: SavedForBackward, tokens: int, c: int, shar
 
     all_copies = k * (sum(la.cached_copies for la in saved.layers) + saved.lm_head_copy)
     acts = saved.activations + saved.token_ids
-    if fused_loss and not loss_chunk_tokens:
+    if fused_loss:
         phases = _fused_loss_phases(cfg, tokens, c, all_copies, acts, k * saved.weight_copies, head_grad, grads)
     else:
         phases = _unfused_loss_phases(cfg, logit_tokens, v, c, all_copies, acts, k * saved.weight_copies,
@@ -379,8 +378,8 @@ def _phases(cfg: ModelConfig, saved: SavedForBackward, tokens: int, c: int, shar
     # The embedding's backward builds its dense [vocab, hidden] gradient (zeros, then index_add).
     # Tied to the LM head, that is summed with the head's contribution (already counted) into a
     # third buffer before it becomes .grad: two embedding-sized transients over every gradient.
-    # Untied, the dense gradient is the .grad itself. Measured (`--measure`, smol-135m, 30
-    # layers): +2 x 108 MiB at this moment, the step's peak when the logits are small.
+    # Untied, the dense gradient is the .grad itself. Measured (an RSS sampler with autograd
+    # hooks, smol-135m, 30 layers): +2 x 108 MiB here, the step's peak when the logits are small.
     emb_grad = FP32 * cfg.vocab_size * cfg.hidden_size // shard
     all_grads = grads(FP32 * total_params(cfg) // shard)
     phases["embedding backward"] = {WORKSPACE: 2 * emb_grad if cfg.tie_word_embeddings else 0, **all_grads}
@@ -396,7 +395,7 @@ def predict_train_memory(cfg: ModelConfig, *, seq_len: int, micro_batch_size: in
                          loss_chunk_tokens: int = 0, fused_loss: bool = False) -> TrainMemory:
     """Peak memory of one training rank and its components (see the module docstring)."""
     c = _itemsize(compute_dtype)
-    fused_loss = fused_loss and not loss_chunk_tokens and cfg.final_logit_softcapping is None  # as the trainer decides
+    fused_loss = fused_loss_applies(cfg, fused_loss, loss_chunk_tokens)
     n = max(1, world_size)
     fsdp, ddp = distributed == "fsdp" and n > 1, distributed == "ddp" and n > 1
     shard = n if fsdp else 1

@@ -31,7 +31,7 @@ from strata.train.config import TrainConfig
 from strata.train.data import PackedWindows, batch_for, data_files, tokenize
 from strata.train.export import export_hf
 from strata.train.flops import train_flops_per_token
-from strata.train.fused_loss import fused_cross_entropy
+from strata.train.fused_loss import fused_cross_entropy, fused_loss_applies
 from strata.train.metrics import MetricsSink, SpikeDetector, peak_memory_bytes
 from strata.train.model_init import build_model, load_tokenizer, resolve
 from strata.train.optim import lr_at, make_optimizer, set_lr
@@ -60,7 +60,7 @@ class LanguageModelLoss(nn.Module):
         super().__init__()
         self.lm = lm
         self.chunk_tokens = chunk_tokens
-        self.fused = fused and not chunk_tokens and lm.config.final_logit_softcapping is None
+        self.fused = fused_loss_applies(lm.config, fused, chunk_tokens)
 
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
