@@ -137,9 +137,16 @@ def _build_llama(ctx: Ctx, llama: Path, flags: tuple[str, ...]) -> Path:
     return bins
 
 
-def _illegal_instruction(message: str) -> bool:
-    """A failed step's message names a SIGILL death (rc -4 from Python, 132 from a shell)."""
-    return "rc -4)" in message or "rc 132)" in message or "Illegal instruction" in message
+_CRASH_SIGNALS = {4: "SIGILL", 7: "SIGBUS", 11: "SIGSEGV"}
+
+
+def _crash_signal(message: str) -> str | None:
+    """The signal a failed step died of, when its message names a crash (rc -N from Python,
+    128 + N from a shell; "Illegal instruction" from a shell's report), else None."""
+    for num, name in _CRASH_SIGNALS.items():
+        if f"rc -{num})" in message or f"rc {128 + num})" in message:
+            return name
+    return "SIGILL" if "Illegal instruction" in message else None
 
 
 def prepare(ctx: Ctx, shapes: list[str]) -> dict[str, dict[str, Path]]:
@@ -163,12 +170,15 @@ def prepare(ctx: Ctx, shapes: list[str]) -> dict[str, dict[str, Path]]:
     try:
         verify_gguf(ctx, ggufs)
     except StepError as e:
-        if not _illegal_instruction(str(e)):
+        signal = _crash_signal(str(e))
+        if signal is None:
             raise
-        # e.g. a VM that reports AMX but cannot run its tiles: the same flags with AMX off
-        print("llama.cpp died on an illegal instruction in its verify step; rebuilding with AMX off", flush=True)
+        # e.g. a VM that reports AMX but cannot run its tiles (seen: SIGILL on one Xeon VM, SIGSEGV
+        # inside ggml_backend_amx_mul_mat on another): the same flags with AMX off
+        print(f"llama.cpp died of {signal} in its verify step; rebuilding with AMX off", flush=True)
         info["cmake_flags"] = [*CMAKE_FLAGS, *NO_AMX_FLAGS]
-        info["variant"] = "native with AMX off (the native build died with SIGILL: " + str(e).splitlines()[0] + ")"
+        info["variant"] = (f"native with AMX off (the native build died of {signal}: "
+                           + str(e).splitlines()[0] + ")")
         ctx.bin_dir = build_llama(ctx, llama, (*CMAKE_FLAGS, *NO_AMX_FLAGS))
         for path in (p for files in ggufs.values() for p in files.values()):
             path.with_suffix(".verified").unlink(missing_ok=True)

@@ -27,7 +27,7 @@ OUTTYPES = ("f32", "f16", "bf16", "q8_0")  # written by convert_hf_to_gguf.py
 QUANTIZED = {"q4_0": "f32"}  # written by llama-quantize from the GGUF of this outtype
 STRATA_REPEATS = 3  # timed runs per Strata/transformers latency measurement; the report shows the median
 GGUF_TYPES = (*OUTTYPES, *QUANTIZED)
-# Rebuilt with these when the native build dies on an illegal instruction (SIGILL) in its verify
+# Rebuilt with these when the native build crashes (SIGILL, SIGSEGV, SIGBUS) in its verify
 # step, as it did on a Xeon VM whose AMX tiles the guest could not use.
 NO_AMX_FLAGS = ("-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF")
 ALL_SHAPES = ("smol-135m", "qwen-0.5b")

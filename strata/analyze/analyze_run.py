@@ -24,6 +24,9 @@ PROFILE_EVERY = 8  # one profiled step in this many (the profiler's per-operator
 OP_CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (  # first match wins
     ("communication", ("c10d::", "gloo:", "nccl:", "allreduce", "all_reduce", "allgather", "all_gather",
                        "strata::comm")),
+    # the CPU decode step's one-call layers (kernels/cpu_decode_layer.py): GEMVs, attention and
+    # norms in one compiled call, so the profiler cannot split them
+    ("decoder_layer", ("decode_layer",)),
     ("attention", ("attention", "scaled_dot_product", "sdpa", "softmax", "flash", "paged_decode")),
     ("memory", ("index_select", "index_copy", "index_put", "copy_", "kv_write", "write_kv", "swap",
                 "clone", "contiguous", "gather", "scatter", "cat", "stack", "fill_", "zero_", "to_copy")),

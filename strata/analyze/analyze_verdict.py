@@ -26,11 +26,12 @@ CATEGORY_LABELS = {
     "overhead": "batch prep + Python/dispatch", "gemm": "GEMM", "attention": "attention",
     "norm_elementwise": "norm + elementwise", "other_ops": "other operators", "memory": "KV writes + copies",
     "communication": "communication", "idle": "idle",
+    "decoder_layer": "fused decoder layers (GEMV + attention + norms)",
 }
 LAYER_OF = {
     "tokenize": "CPU pipeline", "schedule": "CPU pipeline", "sample": "CPU pipeline", "overhead": "CPU pipeline",
     "gemm": "compute", "attention": "compute", "norm_elementwise": "compute", "other_ops": "compute",
-    "memory": "memory traffic", "communication": "communication", "idle": "idle",
+    "memory": "memory traffic", "communication": "communication", "idle": "idle", "decoder_layer": "compute",
 }
 
 
@@ -97,7 +98,7 @@ class Phase:
 def _kernel_share(m: Measurement, kind: str) -> float:
     ops = m.op_seconds.get(kind, {})
     fwd = m.op_forward_s.get(kind, 0.0)
-    heavy = sum(ops.get(c, 0.0) for c in ("gemm", "attention", "memory"))
+    heavy = sum(ops.get(c, 0.0) for c in ("gemm", "attention", "memory", "decoder_layer"))
     return min(1.0, heavy / fwd) if fwd > 0 else 0.0
 
 

@@ -45,7 +45,14 @@ _GROUPING = ("Torch-Compiled Region", "CompiledFunction", "## ", "ProfilerStep",
 def _kernel_entry_points() -> list[tuple[object, str, str]]:
     """(module, function, range name) of every numba kernel entry point: each is decorated with
     kernels/dispatch.kernel, which names its calls while `named_kernels()` is on."""
-    from strata.kernels import cpu_attention, cpu_gemv, cpu_norm, cpu_quant, cpu_rope
+    from strata.kernels import (
+        cpu_attention,
+        cpu_decode_layer,
+        cpu_gemv,
+        cpu_norm,
+        cpu_quant,
+        cpu_rope,
+    )
 
     return [
         (cpu_gemv, "gemv", "numba::gemv"),
@@ -56,6 +63,7 @@ def _kernel_entry_points() -> list[tuple[object, str, str]]:
         (cpu_quant, "gemv", "numba::quant_gemv"),
         (cpu_quant, "gemv_swiglu", "numba::quant_gemv_swiglu"),
         (cpu_quant, "matmul", "numba::quant_matmul"),
+        (cpu_decode_layer, "decode_layer", "numba::decode_layer"),
     ]
 
 

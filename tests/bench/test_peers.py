@@ -179,3 +179,15 @@ def test_merge_previous_keeps_skipped_parts(tmp_path: Path) -> None:
     assert "strata bench latency --random-model qwen-0.5b" in cmds
     assert "strata bench latency --random-model smol-135m" not in cmds  # re-measured: old command dropped
     assert len(new["kept_from_previous"]) == 2
+
+
+@pytest.mark.parametrize("message, signal", [
+    ("`llama-bench ...` failed (rc -4); last lines", "SIGILL"),
+    ("`llama-bench ...` failed (rc -11); last lines", "SIGSEGV"),  # ggml_backend_amx_mul_mat, a Xeon VM
+    ("`sh -c llama-bench` failed (rc 139); last lines", "SIGSEGV"),
+    ("`sh -c llama-bench` failed (rc 132); Illegal instruction", "SIGILL"),
+    ("`llama-bench ...` failed (rc 1); last lines: error loading model", None),
+    ("`llama-bench ...` failed (rc -1); last lines", None),
+])
+def test_verify_crash_signal_decides_the_no_amx_rebuild(message, signal):
+    assert _peers("build")._crash_signal(message) == signal

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from strata.graph.cpu_decode import FusedDecodeStep
 from strata.graph.layers import (
     GatedMLP,
     GemmaRMSNorm,
@@ -122,6 +123,8 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    one_call_decode = True  # graph/cpu_decode.py may run this layer's CPU decode in one call
+
     def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -203,9 +206,12 @@ class CausalLM(nn.Module):
         rope = self.rotary(positions, x.dtype)
         local = self.rotary_local(positions, x.dtype) if self.rotary_local is not None else rope
         residual = None
+        fused = FusedDecodeStep.start(self, x, meta, kv_caches, rope)  # CPU decode: a layer a call
         for i, layer in enumerate(self.layers):
             layer_rope = local if i in self.local_layers else rope
-            x, residual = layer(x, residual, layer_rope, meta, None if kv_caches is None else kv_caches[i])
+            cache = None if kv_caches is None else kv_caches[i]
+            out = None if fused is None else fused.run(layer, x, residual, layer_rope, cache)
+            x, residual = out if out is not None else layer(x, residual, layer_rope, meta, cache)
         x, _ = self.norm(x, residual)
         return x
 

@@ -1,0 +1,155 @@
+"""One decoder layer of a CPU decode step in one numba call.
+
+The eager decode step calls ~8 kernels per layer (norm, qkv GEMV, rotary + KV write, paged
+attention, o GEMV, norm, SwiGLU GEMV, down GEMV), each behind a Python wrapper that checks
+shapes, allocates its output and takes numpy views: measured on smol-135m (30 layers), 4.3 ms of
+a 27 ms fp32 step outside any kernel and ~25 us per tiny norm call, most of it wrapper. Here the
+same numba kernels run back to back inside one compiled function, on buffers the caller
+allocated once for the step, so a layer costs one dispatch. The parallel kernels (GEMVs,
+attention) keep their own thread split: numba runs a parallel callee's prange in parallel
+from a serial caller.
+
+Each projection's kernel is picked by its weight's storage dtype when numba compiles the layer
+(one cached specialisation per weight format: fp32, bf16, int8, int4) and, for the int8
+formats, the int8-activation (VNNI) variant by the same rules as the eager dispatch, so the
+results equal the eager path's bit for bit.
+
+Reference twin: the eager layer (graph/models/llama.DecoderLayer with the same kernels, and with
+the kernel mode's fast paths off, the torch reference ops); tests compare all three.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from strata.kernels.dispatch import kernel
+
+try:
+    import numba
+    from numba import njit
+
+    from strata.kernels import cpu_attention, cpu_bf16, cpu_gemv, cpu_norm, cpu_quant, cpu_rope
+except ImportError:  # pragma: no cover - exercised only where numba is absent
+    numba = None
+
+MAX_ROWS = 16  # the few-row kernels' limit (cpu_gemv.MAX_ROWS and its peers)
+
+
+def available() -> bool:
+    return numba is not None
+
+
+if numba is not None:
+    from numba import types
+    from numba.extending import overload
+
+    def project(w, s, x, out, group, vnni, threads):
+        """out = x @ W.T for the weight format W's storage dtype names (numba only)."""
+
+    def project_swiglu(w, s, x, out, group, vnni, threads):
+        """out = silu(x @ gate.T) * (x @ up.T) for a [gate; up] weight (numba only)."""
+
+    # The weight's storage dtype picks the kernel at compile time (fp32 float32, bf16 bit
+    # patterns int16, int8 int8, packed int4 uint8); `vnni` picks the int8-activation variant at
+    # run time. Plain functions, not function arguments: numba cannot cache a function that takes
+    # another as an argument (its type names the process's dispatcher object).
+    @overload(project)
+    def _project(w, s, x, out, group, vnni, threads):
+        dt = w.dtype
+        if dt == types.float32:
+            return lambda w, s, x, out, group, vnni, threads: cpu_gemv._gemv_rows(w, x, out, threads)
+        if dt == types.int16:
+            return lambda w, s, x, out, group, vnni, threads: cpu_bf16._bf16_gemv(w, x, out, threads)
+        if dt == types.int8:
+            def int8(w, s, x, out, group, vnni, threads):
+                if vnni:
+                    cpu_quant._int8_gemv_vnni(w, s, x, out, threads)
+                else:
+                    cpu_quant._int8_gemv(w, s, x, out, threads)
+            return int8
+        if dt == types.uint8:
+            def int4(w, s, x, out, group, vnni, threads):
+                if vnni:
+                    cpu_quant._int4_gemv_vnni(w, s, x, out, group, threads)
+                else:
+                    cpu_quant._int4_gemv(w, s, x, out, group, threads)
+            return int4
+        return None
+
+    @overload(project_swiglu)
+    def _project_swiglu(w, s, x, out, group, vnni, threads):
+        dt = w.dtype
+        if dt == types.float32:
+            return lambda w, s, x, out, group, vnni, threads: cpu_gemv._gemv_swiglu(w, x, out, threads)
+        if dt == types.int16:
+            return lambda w, s, x, out, group, vnni, threads: cpu_bf16._bf16_swiglu(w, x, out, threads)
+        if dt == types.int8:
+            def int8(w, s, x, out, group, vnni, threads):
+                if vnni:
+                    cpu_quant._int8_swiglu_vnni(w, s, x, out, threads)
+                else:
+                    cpu_quant._int8_swiglu(w, s, x, out, threads)
+            return int8
+        if dt == types.uint8:
+            def int4(w, s, x, out, group, vnni, threads):
+                if vnni:
+                    cpu_quant._int4_swiglu_vnni(w, s, x, out, group, threads)
+                else:
+                    cpu_quant._int4_swiglu(w, s, x, out, group, threads)
+            return int4
+        return None
+
+    @njit(cache=True)
+    def _add_bias(out, bias):  # pragma: no cover - compiled
+        for j in range(out.shape[0]):
+            for c in range(out.shape[1]):
+                out[j, c] += bias[c]
+
+    @njit(cache=True)
+    def _layer(
+        x, residual, has_residual, k_cache, v_cache,
+        # the layer's own (graph/cpu_decode.py caches these per layer): norms, then per projection
+        # (weight, scale, bias, group, vnni); attention shape
+        ln1, ln2, eps, wqkv, sqkv, bqkv, gqkv, vqkv, wo, so, bo, go, vo, wgu, sgu, ggu, vgu,
+        wd, sd, bd, gd, vd, heads, kv_heads, scale, window,
+        # the step's: rotary rows, KV slots and tables, thread count, scratch and output buffers
+        cos, sin, slots, tables, lens, threads, h, qkv, q3, attn3, attn, o, act, out, res_out,
+    ):  # pragma: no cover - compiled
+        # input norm; the residual stream lands in res_out (layer 0: the embedding itself)
+        if has_residual:
+            cpu_norm._add_rms_norm(x, residual, ln1, eps, h, res_out, True)
+        else:
+            res_out[:] = x
+            cpu_norm._add_rms_norm(res_out, res_out, ln1, eps, h, res_out, False)
+        project(wqkv, sqkv, h, qkv, gqkv, vqkv, threads)
+        if bqkv.shape[0]:
+            _add_bias(qkv, bqkv)
+        cpu_rope._rope_store(qkv, cos, sin, slots, k_cache, v_cache, heads, kv_heads, q3)
+        cpu_attention._paged_decode(q3, k_cache, v_cache, tables, lens, scale, window, attn3)
+        project(wo, so, attn, o, go, vo, threads)
+        if bo.shape[0]:
+            _add_bias(o, bo)
+        cpu_norm._add_rms_norm(o, res_out, ln2, eps, h, res_out, True)  # in place: each element read first
+        project_swiglu(wgu, sgu, h, act, ggu, vgu, threads)
+        project(wd, sd, act, out, gd, vd, threads)
+        if bd.shape[0]:
+            _add_bias(out, bd)
+
+
+def uses_vnni(fmt: str, n_in: int, rows: int, group: int) -> bool:
+    """Whether a projection of this format runs its int8-activation kernel at `rows` input rows,
+    by the rules the eager dispatch follows (cpu_quant.int8_int8 / int8_activations)."""
+    if fmt == "int8":
+        return cpu_quant.int8_int8(n_in)
+    return fmt == "int4" and cpu_quant.int8_activations(rows, group)
+
+
+@kernel("decode_layer")
+def decode_layer(x, residual, has_residual: bool, k_cache, v_cache, own: tuple, step: tuple) -> None:
+    """One layer over numpy arrays: x, residual [rows, hidden] in; the MLP branch lands in the
+    step's `out` buffer and the residual stream in `res_out` (graph/cpu_decode.py builds `own`
+    once per layer and `step` once per step, in _layer's argument order)."""
+    _layer(x, residual, has_residual, k_cache, v_cache, *own, *step)
+
+
+NO_ARRAY = np.empty(0, np.float32)  # an absent bias or scale
