@@ -18,7 +18,8 @@ a leaf for that tracer (torch.fx.wrap below). Run-time kernel choices (the CPU k
 backend's fused rotary + KV write + decode) ask kernels/dispatch.py's mode first, so the tracer
 gets the torch reference paths without patching anything. Forwards hold the trace gate
 (graph/trace_gate.py) shared: FX tracing patches torch.nn.Module.__call__ process-wide while it
-runs, and so waits for them.
+runs, and so waits for them. A CPU decode step of few fp32 rows runs each Llama-shaped layer
+as one numba call (graph/cpu_decode.py): the same kernels without the per-kernel Python.
 """
 
 from __future__ import annotations
