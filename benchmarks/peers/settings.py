@@ -29,7 +29,12 @@ STRATA_REPEATS = 3  # timed runs per Strata/transformers latency measurement; th
 GGUF_TYPES = (*OUTTYPES, *QUANTIZED)
 # Rebuilt with these when the native build crashes (SIGILL, SIGSEGV, SIGBUS) in its verify
 # step, as it did on a Xeon VM whose AMX tiles the guest could not use.
-NO_AMX_FLAGS = ("-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF")
+# GGML_NATIVE builds with -march=native, whose __AMX_INT8__ macros compile ggml's AMX code in
+# whatever the GGML_AMX_* options say: the explicit -mno-amx-* flags (which GCC lets override
+# -march in any order) are what turn it off.
+_NO_AMX_ISA = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+NO_AMX_FLAGS = ("-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF",
+                f"-DCMAKE_C_FLAGS={_NO_AMX_ISA}", f"-DCMAKE_CXX_FLAGS={_NO_AMX_ISA}")
 ALL_SHAPES = ("smol-135m", "qwen-0.5b")
 PARTS = ("latency", "throughput", "serving")
 RATE_FACTORS = {"low": 0.3, "near": 0.9, "over": 1.5}  # x the saturation request rate

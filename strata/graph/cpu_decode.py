@@ -56,8 +56,15 @@ def _projection(m) -> tuple[str, np.ndarray, np.ndarray, np.ndarray, int] | None
     return None
 
 
-def _storage_key(layer) -> tuple:
-    return tuple(t.data_ptr() for t in layer.parameters()) + tuple(t.data_ptr() for t in layer.buffers())
+def _tensors(layer) -> tuple:
+    """(owning dict, name, tensor, storage address) of every parameter and buffer of `layer`."""
+    return tuple((d, name, t, t.data_ptr()) for m in layer.modules() for d in (m._parameters, m._buffers)
+                 for name, t in d.items() if t is not None)
+
+
+def _unchanged(tensors: tuple) -> bool:
+    """No parameter or buffer was replaced or given new storage (`.data = ...`) since `_tensors`."""
+    return all(d.get(name) is t and t.data_ptr() == ptr for d, name, t, ptr in tensors)
 
 
 def _layer_args(layer, rows: int) -> tuple | None:
@@ -95,6 +102,7 @@ class FusedDecodeStep:
         e = np.float32
         q3, attn3 = np.empty((rows, heads, d), e), np.empty((rows, heads, d), e)
         self.out, self.res_out = np.empty((rows, hidden), e), np.empty((rows, hidden), e)
+        self.out_t, self.res_t = torch.from_numpy(self.out), torch.from_numpy(self.res_out)
         self.ropes: dict[int, tuple] = {}
         cos, sin = rope
         self.common = (
@@ -139,20 +147,23 @@ class FusedDecodeStep:
         if own is None or not kv_cache.is_contiguous() or kv_cache.dtype is not torch.float32:
             return None
         cos, sin = self._rope_arrays(rope)
-        xn = x.contiguous().numpy()
+        # the previous fused layer's outputs are this step's buffers: no Tensor.numpy() (3 aten ops)
+        xn = self.out if x is self.out_t else x.contiguous().numpy()
         has_res = residual is not None
-        rn = residual.contiguous().numpy() if has_res else xn
+        rn = (self.res_out if residual is self.res_t else residual.contiguous().numpy()) if has_res else xn
         step = (cos, sin) + self.common
-        cpu_decode_layer.decode_layer(xn, rn, has_res, kv_cache[0].numpy(), kv_cache[1].numpy(), own, step)
-        return torch.from_numpy(self.out), torch.from_numpy(self.res_out)
+        kv = layer.__dict__.get("_fused_decode_kv")
+        if kv is None or kv[0] is not kv_cache:  # the engine's per-layer cache tensor: views once
+            kv = layer.__dict__["_fused_decode_kv"] = (kv_cache, kv_cache[0].numpy(), kv_cache[1].numpy())
+        cpu_decode_layer.decode_layer(xn, rn, has_res, kv[1], kv[2], own, step)
+        return self.out_t, self.res_t
 
 
 def _cached_args(layer, rows: int) -> tuple | None:
     """_layer_args, cached on the layer per row count until a parameter or buffer moves."""
-    key = _storage_key(layer)
     cache = layer.__dict__.get("_fused_decode_args")
-    if cache is None or cache[0] != key:
-        cache = (key, {})
+    if cache is None or not _unchanged(cache[0]):
+        cache = (_tensors(layer), {})
         layer.__dict__["_fused_decode_args"] = cache
     by_rows = cache[1]
     if rows not in by_rows:
