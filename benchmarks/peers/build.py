@@ -180,8 +180,6 @@ def prepare(ctx: Ctx, shapes: list[str]) -> dict[str, dict[str, Path]]:
         info["variant"] = (f"native with AMX off (the native build died of {signal}: "
                            + str(e).splitlines()[0] + ")")
         ctx.bin_dir = build_llama(ctx, llama, (*CMAKE_FLAGS, *NO_AMX_FLAGS))
-        for path in (p for files in ggufs.values() for p in files.values()):
-            path.with_suffix(".verified").unlink(missing_ok=True)
         verify_gguf(ctx, ggufs)
     try:
         v = subprocess.run([ctx.bin_dir / "llama-server", "--version"], capture_output=True, text=True,

@@ -63,10 +63,13 @@ def convert(ctx: Ctx, llama: Path, shapes: list[str]) -> dict[str, dict[str, Pat
 
 
 def verify_gguf(ctx: Ctx, ggufs: dict[str, dict[str, Path]]) -> None:
-    """A tiny llama-bench run per file: the GGUF loads and runs (once per file; stamped)."""
+    """A tiny llama-bench run per file: the GGUF loads and runs (once per file and build; stamped
+    with the build directory's name, so a later run with the native build verifies again, and
+    falls back to the no-AMX build again, rather than trusting a stamp of the other build)."""
+    build = ctx.bin_dir.parent.name
     for shape, files in ggufs.items():
         for t, path in files.items():
-            ok = path.with_suffix(".verified")
+            ok = path.parent / f"{path.name}.verified-{build}"
             if ok.is_file():
                 continue
             out = ctx.run("prepare", f"verify-{shape}-{t}",
