@@ -1,12 +1,21 @@
-"""Opt-in (STRATA_ADAPTIVE_THREADS=1, CPU): pick the compute thread count by measured decode steps.
+"""On by default on CPU (STRATA_ADAPTIVE_THREADS=0 turns it off): the decode kernels' thread count
+follows measured decode steps.
 
 On a shared machine a thread of a statically split kernel that loses its core stalls the step at
 the kernel's barrier: on the 2-core Zen 4 dev VM, with one busy process beside it, a 2-thread GEMV
-ran 3.5-7x slower than on a quiet machine, a 1-thread one 1.1x (its core stays free). So every
-PERIOD_S the engine runs TRIAL_STEPS decode-only steps on another thread count (one fewer, or
-back up to the configured count) and keeps whichever had the lower median forward time.
-Off by default: thread counts change torch's reduction splits, so outputs are then not bitwise
-reproducible run to run (the numba kernels' are: each output row is one thread's dot product).
+ran 3.5-7x slower than on a quiet machine, a 1-thread one 1.1x (its core stays free). So the
+engine now and then runs TRIAL_STEPS decode-only steps on another thread count (one fewer, or back
+up to the configured count) and keeps whichever had the lower median forward time.
+
+When: a trial starts as soon as the current count's recent steps run DEGRADED x slower than its
+best recent median (another process arrived), and otherwise on a backing-off period, PERIOD_S
+doubling after every trial that changed nothing up to MAX_PERIOD_S, so a quiet machine pays a
+6-step probe about every half minute, not every 2 s.
+
+What it changes: only the numba kernels' thread cap (kernels/cpu_gemv.set_thread_cap), never
+torch's pool. Those kernels' results do not depend on the thread count (each output row is one
+thread's sequential sum), so outputs stay bitwise reproducible; torch's own ops (the prefill GEMMs,
+whose reduction splits would change) keep the configured count.
 """
 
 from __future__ import annotations
@@ -16,18 +25,20 @@ import os
 import statistics
 import time
 
-import torch
+from strata.kernels import cpu_gemv
 
 logger = logging.getLogger(__name__)
 
 ENV = "STRATA_ADAPTIVE_THREADS"
 PERIOD_S = 2.0
+MAX_PERIOD_S = 32.0
 TRIAL_STEPS = 6
 SWITCH_MARGIN = 1.15  # the trial must be this much faster to be kept
+DEGRADED = 1.3  # recent median this much above the best recent median: try another count now
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV, "") not in ("", "0")
+    return os.environ.get(ENV, "") not in ("0", "false", "off")
 
 
 class AdaptiveThreads:
@@ -35,12 +46,19 @@ class AdaptiveThreads:
 
     def __init__(self, max_threads: int) -> None:
         self.max_threads = max_threads
-        self.current = torch.get_num_threads()
+        self.current = max_threads
         self.trial: int | None = None
         self.samples: dict[int, list[float]] = {}
-        self.next_trial = time.monotonic() + PERIOD_S
+        self.best: float | None = None  # best median of the current count since the last decision
+        self.period = PERIOD_S
+        self.next_trial = time.monotonic() + self.period
         self._forward = None
         self.switches = 0
+        self.trials = 0
+        cpu_gemv.set_thread_cap(max_threads)
+
+    def close(self) -> None:
+        cpu_gemv.set_thread_cap(None)
 
     def __call__(self, engine) -> None:
         forward = engine.stage_seconds["forward"]
@@ -49,7 +67,7 @@ class AdaptiveThreads:
         decode_only = out is not None and out.scheduled and out.num_tokens == len(out.scheduled)
         if last is None or not decode_only:
             return
-        n = torch.get_num_threads()
+        n = self.trial if self.trial is not None else self.current
         times = self.samples.setdefault(n, [])
         times.append(forward - last)
         del times[:-TRIAL_STEPS]
@@ -57,25 +75,37 @@ class AdaptiveThreads:
             if len(self.samples[self.trial]) >= TRIAL_STEPS:
                 self._decide()
             return
-        if time.monotonic() >= self.next_trial and len(times) >= TRIAL_STEPS:
-            other = self.current - 1 if self.current > 1 else None
-            if self.current < self.max_threads:
-                other = self.current + 1
-            if other is not None:
-                self.trial = other
-                self.samples[other] = []
-                torch.set_num_threads(other)
+        if len(times) < TRIAL_STEPS:
+            return
+        median = statistics.median(times)
+        self.best = median if self.best is None else min(self.best, median)
+        if time.monotonic() >= self.next_trial or median > DEGRADED * self.best:
+            self._start_trial()
+
+    def _start_trial(self) -> None:
+        other = self.current + 1 if self.current < self.max_threads else self.current - 1
+        if other < 1:
+            return
+        self.trial = other
+        self.trials += 1
+        self.samples[other] = []
+        cpu_gemv.set_thread_cap(other)
 
     def _decide(self) -> None:
         trial, cur = self.trial, self.current
         t_trial = statistics.median(self.samples[trial])
         t_cur = statistics.median(self.samples[cur])
         if t_trial * SWITCH_MARGIN < t_cur or (trial > cur and t_trial <= t_cur):
-            logger.info("adaptive threads: %d -> %d (decode step %.1f -> %.1f ms)", cur, trial,
+            logger.info("adaptive threads: %d -> %d decode kernel threads (step %.1f -> %.1f ms)", cur, trial,
                         t_cur * 1e3, t_trial * 1e3)
             self.current = trial
             self.switches += 1
-        torch.set_num_threads(self.current)
+            self.period = PERIOD_S
+        else:
+            self.period = min(MAX_PERIOD_S, self.period * 2)
+        cpu_gemv.set_thread_cap(self.current)
         self.samples[cur if self.current == trial else trial] = []
+        self.samples[self.current] = []  # the next best is measured afresh
+        self.best = None
         self.trial = None
-        self.next_trial = time.monotonic() + PERIOD_S
+        self.next_trial = time.monotonic() + self.period

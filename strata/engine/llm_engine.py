@@ -67,6 +67,8 @@ class LLMEngine:
                 self._control.broadcast_bytes(STOP)
         self.model = self.kv_caches = self.runner = self.scheduler = self.sampler = self.fusion = None
         self.block_manager = self.last_schedule = self.ranks = self._control = None
+        for observer in self.step_observers:
+            getattr(observer, "close", lambda: None)()  # e.g. the adaptive threads' kernel cap
         self.step_observers = []
         self.grammar_masks.close()
         if ranks is not None:

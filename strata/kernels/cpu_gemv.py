@@ -75,12 +75,29 @@ if numba is not None:
 _numba_threads = threading.local()  # numba's thread count is per calling thread, so is its cache
 
 
+_thread_cap: int | None = None  # engine/adaptive_threads.py lowers it under contention
+
+
+def set_thread_cap(cap: int | None) -> None:
+    """At most `cap` threads for the numba kernels (None: as many as torch's pool). Their results do
+    not depend on it: each output row (and each attention item) is one thread's sequential sum."""
+    global _thread_cap
+    _thread_cap = cap
+
+
+def thread_cap() -> int | None:
+    return _thread_cap
+
+
 def sync_threads() -> int:
-    """Run numba kernels on as many threads as torch's intra-op pool (the placement decision).
+    """Run numba kernels on as many threads as torch's intra-op pool (the placement decision), or
+    fewer under the thread cap.
 
     Called before every kernel (~150 times per decode step): numba.get_num_threads() costs ~2.5 us
     a call here, so the count this thread last set is remembered and only torch's is read."""
     threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
+    if _thread_cap is not None:
+        threads = max(1, min(threads, _thread_cap))
     if getattr(_numba_threads, "value", None) != threads:
         numba.set_num_threads(threads)
         _numba_threads.value = threads

@@ -1,4 +1,5 @@
-"""The opt-in thread tuner: it follows the measured decode step time, and only decode-only steps."""
+"""The thread tuner: it follows the measured decode step time, only decode-only steps, changes only
+the numba kernels' thread cap (never torch's pool), and probes rarely on a quiet machine."""
 
 from __future__ import annotations
 
@@ -8,11 +9,12 @@ import pytest
 import torch
 
 from strata.engine import adaptive_threads
-from strata.engine.adaptive_threads import TRIAL_STEPS, AdaptiveThreads
+from strata.engine.adaptive_threads import MAX_PERIOD_S, TRIAL_STEPS, AdaptiveThreads
+from strata.kernels import cpu_gemv
 
 
 class FakeEngine:
-    """stage_seconds / last_schedule as LLMEngine exposes them; step time by thread count."""
+    """stage_seconds / last_schedule as LLMEngine exposes them; step time by kernel thread count."""
 
     def __init__(self, step_s: dict[int, float]) -> None:
         self.step_s = step_s
@@ -20,7 +22,7 @@ class FakeEngine:
         self.last_schedule = None
 
     def step(self, tuner: AdaptiveThreads, tokens_per_seq: int = 1) -> None:
-        self.stage_seconds["forward"] += self.step_s[torch.get_num_threads()]
+        self.stage_seconds["forward"] += self.step_s[cpu_gemv.thread_cap()]
         seqs = [SimpleNamespace(num_tokens=tokens_per_seq)]
         self.last_schedule = SimpleNamespace(scheduled=seqs, num_tokens=tokens_per_seq * len(seqs))
         tuner(self)
@@ -34,6 +36,7 @@ def two_threads(monkeypatch):
     monkeypatch.setattr(adaptive_threads.time, "monotonic", lambda: clock[0])
     yield clock
     torch.set_num_threads(before)
+    cpu_gemv.set_thread_cap(None)
 
 
 def _run(engine, tuner, clock, steps, **kw):
@@ -47,20 +50,32 @@ def test_contention_moves_to_fewer_threads_and_back(two_threads):
     engine = FakeEngine({2: 0.080, 1: 0.030})  # a competing process stalls the 2-thread barrier
     tuner = AdaptiveThreads(max_threads=2)
     _run(engine, tuner, clock, 40)
-    assert tuner.current == 1 and torch.get_num_threads() == 1
+    assert tuner.current == 1 and cpu_gemv.thread_cap() == 1
+    assert torch.get_num_threads() == 2  # torch's pool (prefill GEMMs) is never touched
     engine.step_s = {2: 0.020, 1: 0.035}  # the machine is quiet again: the probe upward wins
     _run(engine, tuner, clock, 60)
-    assert tuner.current == 2 and torch.get_num_threads() == 2 and tuner.switches == 2
+    assert tuner.current == 2 and cpu_gemv.thread_cap() == 2 and tuner.switches == 2
 
 
-def test_quiet_machine_keeps_the_configured_count(two_threads):
+def test_a_slowdown_triggers_a_trial_at_once(two_threads):
     clock = two_threads
     engine = FakeEngine({2: 0.020, 1: 0.035})
     tuner = AdaptiveThreads(max_threads=2)
-    _run(engine, tuner, clock, 100)
+    _run(engine, tuner, clock, 400)  # quiet: the probe period backs off to its maximum
+    assert tuner.period == MAX_PERIOD_S and tuner.current == 2
+    engine.step_s = {2: 0.080, 1: 0.030}  # another process arrives
+    _run(engine, tuner, clock, 3 * TRIAL_STEPS)  # long before the next periodic probe
+    assert tuner.current == 1
+
+
+def test_quiet_machine_keeps_the_configured_count_and_probes_rarely(two_threads):
+    clock = two_threads
+    engine = FakeEngine({2: 0.020, 1: 0.035})
+    tuner = AdaptiveThreads(max_threads=2)
+    _run(engine, tuner, clock, 6000)  # 600 s of steps
     assert tuner.current == 2 and tuner.switches == 0
-    trials = [n for n, t in tuner.samples.items() if t]
-    assert trials and torch.get_num_threads() in (1, 2)  # at most a TRIAL_STEPS probe in flight
+    assert 1 <= tuner.trials <= 600 / MAX_PERIOD_S + 5  # a fixed 2 s period would be ~300 probes
+    assert cpu_gemv.thread_cap() in (1, 2)  # at most a TRIAL_STEPS probe in flight
 
 
 def test_prefill_steps_are_not_timed(two_threads):
@@ -71,8 +86,22 @@ def test_prefill_steps_are_not_timed(two_threads):
     assert tuner.samples == {} and tuner.current == 2
 
 
-def test_off_unless_asked(monkeypatch):
+def test_on_unless_turned_off(monkeypatch):
     monkeypatch.delenv("STRATA_ADAPTIVE_THREADS", raising=False)
-    assert not adaptive_threads.enabled()
-    monkeypatch.setenv("STRATA_ADAPTIVE_THREADS", "1")
     assert adaptive_threads.enabled()
+    monkeypatch.setenv("STRATA_ADAPTIVE_THREADS", "0")
+    assert not adaptive_threads.enabled()
+
+
+def test_the_kernel_cap_does_not_change_results(two_threads):
+    """Why it may be on by default: a decode GEMV gives the same bits on 1 and 2 threads."""
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(3, 200, generator=g), torch.randn(301, 200, generator=g)
+    try:
+        cpu_gemv.set_thread_cap(1)
+        one = cpu_gemv.gemv(x, w)
+        cpu_gemv.set_thread_cap(2)
+        two = cpu_gemv.gemv(x, w)
+    finally:
+        cpu_gemv.set_thread_cap(None)
+    assert torch.equal(one, two)
