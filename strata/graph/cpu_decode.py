@@ -19,7 +19,7 @@ import os
 import numpy as np
 import torch
 
-from strata.graph.layers import Linear
+from strata.graph.layers import Linear, RMSNorm
 from strata.kernels import cpu_decode_layer, cpu_gemv
 from strata.kernels.attention import AttentionMetadata
 from strata.kernels.cpu_decode_layer import NO_ARRAY, uses_vnni
@@ -121,8 +121,8 @@ class FusedDecodeStep:
         key = id(rope[0])
         arrays = self.ropes.get(key)
         if arrays is None:
-            cos, sin = rope
-            arrays = (cos.reshape(self.rows, -1).contiguous().numpy(), sin.reshape(self.rows, -1).contiguous().numpy())
+            cos, sin = rope  # [rows, 1, d] rows of the rotary table: contiguous (index_select)
+            arrays = tuple(np.ascontiguousarray(t.numpy().reshape(self.rows, -1)) for t in (cos, sin))
             self.ropes[key] = arrays
         return arrays
 
@@ -141,6 +141,19 @@ class FusedDecodeStep:
             return None
         return FusedDecodeStep(model, x.shape[0], meta, rope)
 
+    def final_norm(self, norm, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor | None:
+        """norm(x + residual) on the step's buffers when the last layer ran fused (else None)."""
+        if x is not self.out_t or residual is not self.res_t:
+            return None
+        args = norm.__dict__.get("_fused_decode_norm")
+        if args is None or args[0] is not norm.weight or args[1] != norm.weight.data_ptr():
+            args = norm.__dict__["_fused_decode_norm"] = (norm.weight, norm.weight.data_ptr(), _norm_args(norm))
+        if args[2] is None:
+            return None
+        hidden = np.empty_like(self.out)
+        cpu_decode_layer.final_norm(self.out, self.res_out, *args[2], hidden)
+        return torch.from_numpy(hidden)
+
     def run(self, layer, x: torch.Tensor, residual: torch.Tensor | None, rope, kv_cache: torch.Tensor):
         """(MLP branch, residual) of `layer`, or None when this layer must run eagerly."""
         own = _cached_args(layer, self.rows)
@@ -157,6 +170,13 @@ class FusedDecodeStep:
             kv = layer.__dict__["_fused_decode_kv"] = (kv_cache, kv_cache[0].numpy(), kv_cache[1].numpy())
         cpu_decode_layer.decode_layer(xn, rn, has_res, kv[1], kv[2], own, step)
         return self.out_t, self.res_t
+
+
+def _norm_args(norm) -> tuple | None:
+    """(weight, eps) of a plain fp32 RMSNorm (not Gemma's 1 + w), else None."""
+    if type(norm) is not RMSNorm or norm.weight.dtype is not torch.float32 or type(norm.eps) is not float:
+        return None
+    return norm.weight.detach().numpy(), np.float32(norm.eps)
 
 
 def _cached_args(layer, rows: int) -> tuple | None:

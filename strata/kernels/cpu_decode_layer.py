@@ -152,4 +152,10 @@ def decode_layer(x, residual, has_residual: bool, k_cache, v_cache, own: tuple, 
     _layer(x, residual, has_residual, k_cache, v_cache, *own, *step)
 
 
+@kernel("add_rms_norm")
+def final_norm(x, residual, weight, eps, out) -> None:
+    """out = rms_norm(x + residual) * weight over numpy rows (the model's last norm; no residual out)."""
+    cpu_norm._add_rms_norm(x, residual, weight, eps, out, residual, True)
+
+
 NO_ARRAY = np.empty(0, np.float32)  # an absent bias or scale

@@ -213,6 +213,10 @@ class CausalLM(nn.Module):
             cache = None if kv_caches is None else kv_caches[i]
             out = None if fused is None else fused.run(layer, x, residual, layer_rope, cache)
             x, residual = out if out is not None else layer(x, residual, layer_rope, meta, cache)
+        if fused is not None:  # the final norm on the step's buffers too, when the last layer ran fused
+            out = fused.final_norm(self.norm, x, residual)
+            if out is not None:
+                return out
         x, _ = self.norm(x, residual)
         return x
 
