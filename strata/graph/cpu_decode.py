@@ -80,7 +80,7 @@ def _layer_args(layer, rows: int) -> tuple | None:
     parts = [_projection(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
     if any(p is None for p in parts) or norms[0].eps != norms[1].eps:
         return None
-    (fq, wq, sq, bq, gq), (fo, wo, so, bo, go), (fg, wg, sg, bg, gg), (fd, wd, sd, bd, gd) = parts
+    (_, wq, sq, bq, gq), (_, wo, so, bo, go), (_, wg, sg, bg, gg), (_, wd, sd, bd, gd) = parts
     if bg.shape[0]:  # the SwiGLU kernels take no bias
         return None
     vnni = [uses_vnni(fmt, w.shape[1] * (2 if fmt == "int4" else 1), rows, g)  # int4: 2 a byte
@@ -95,7 +95,7 @@ def _layer_args(layer, rows: int) -> tuple | None:
 class FusedDecodeStep:
     """One decode step's shared buffers and arguments; `run` takes one layer through it."""
 
-    def __init__(self, model, rows: int, meta: AttentionMetadata, rope) -> None:
+    def __init__(self, model, rows: int, meta: AttentionMetadata) -> None:
         cfg = model.config
         heads, kv_heads, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         hidden, inter = cfg.hidden_size, cfg.intermediate_size
@@ -103,8 +103,7 @@ class FusedDecodeStep:
         q3, attn3 = np.empty((rows, heads, d), e), np.empty((rows, heads, d), e)
         self.out, self.res_out = np.empty((rows, hidden), e), np.empty((rows, hidden), e)
         self.out_t, self.res_t = torch.from_numpy(self.out), torch.from_numpy(self.res_out)
-        self.ropes: dict[int, tuple] = {}
-        cos, sin = rope
+        self.ropes: dict[int, tuple] = {}  # rotary rows by table (Gemma-style local tables differ)
         self.common = (
             np.ascontiguousarray(meta.slot_mapping.numpy()), meta.decode_block_tables.numpy(),
             meta.decode_context_lens.numpy(), cpu_gemv.sync_threads(),
@@ -113,9 +112,6 @@ class FusedDecodeStep:
             self.out, self.res_out,
         )
         self.rows = rows
-        self._rope = rope
-        self._rope_arrays(rope)
-        del cos, sin
 
     def _rope_arrays(self, rope) -> tuple:
         key = id(rope[0])
@@ -127,7 +123,7 @@ class FusedDecodeStep:
         return arrays
 
     @staticmethod
-    def start(model, x: torch.Tensor, meta: AttentionMetadata | None, kv_caches, rope) -> FusedDecodeStep | None:
+    def start(model, x: torch.Tensor, meta: AttentionMetadata | None, kv_caches) -> FusedDecodeStep | None:
         if not (
             KERNEL_MODE.get().fast_paths and meta is not None and kv_caches is not None
             and meta.num_prefill_tokens == 0 and meta.decode_block_tables is not None
@@ -139,7 +135,7 @@ class FusedDecodeStep:
         cache = kv_caches[0]
         if cache.dtype is not torch.float32 or not cache.is_cpu:
             return None
-        return FusedDecodeStep(model, x.shape[0], meta, rope)
+        return FusedDecodeStep(model, x.shape[0], meta)
 
     def final_norm(self, norm, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor | None:
         """norm(x + residual) on the step's buffers when the last layer ran fused (else None)."""

@@ -207,7 +207,7 @@ class CausalLM(nn.Module):
         rope = self.rotary(positions, x.dtype)
         local = self.rotary_local(positions, x.dtype) if self.rotary_local is not None else rope
         residual = None
-        fused = FusedDecodeStep.start(self, x, meta, kv_caches, rope)  # CPU decode: a layer a call
+        fused = FusedDecodeStep.start(self, x, meta, kv_caches)  # CPU decode: a layer a call
         for i, layer in enumerate(self.layers):
             layer_rope = local if i in self.local_layers else rope
             cache = None if kv_caches is None else kv_caches[i]
