@@ -97,6 +97,9 @@ def _launch_numba_pool(n: int) -> None:
     except ImportError:
         return
     numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+    from strata.kernels import cpu_gemv
+
+    cpu_gemv.forget_numba_threads()  # its per-thread memo of numba's count is stale now
 
 
 @dataclass

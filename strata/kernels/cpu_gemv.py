@@ -75,6 +75,11 @@ if numba is not None:
 _numba_threads = threading.local()  # numba's thread count is per calling thread, so is its cache
 
 
+def forget_numba_threads() -> None:
+    """Something set numba's thread count directly (hardware/placement.py): re-read it next call."""
+    _numba_threads.value = None
+
+
 _thread_cap: int | None = None  # engine/adaptive_threads.py lowers it under contention
 
 
