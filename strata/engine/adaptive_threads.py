@@ -57,8 +57,22 @@ class AdaptiveThreads:
         self.trials = 0
         cpu_gemv.set_thread_cap(max_threads)
 
-    def close(self) -> None:
+    @property
+    def cap(self) -> int:
+        """The kernel thread count this engine's next step runs with (a trial's, or the kept one)."""
+        return self.trial if self.trial is not None else self.current
+
+    def apply(self) -> None:
+        """Before a step: the cap is process-wide, and other engines (or the planner's measurements)
+        in this process must not inherit it, so the engine sets it per step and releases it after."""
+        cpu_gemv.set_thread_cap(self.cap)
+
+    @staticmethod
+    def release() -> None:
         cpu_gemv.set_thread_cap(None)
+
+    def close(self) -> None:
+        self.release()
 
     def __call__(self, engine) -> None:
         forward = engine.stage_seconds["forward"]

@@ -49,8 +49,11 @@ class LLMEngine:
         self.num_steps = 0
         self.grammar_masks = GrammarMasks(self.model_config.vocab_size)  # structured output
         self.stage_seconds = {"schedule": 0.0, "forward": 0.0, "sample": 0.0}  # cumulative, per step phase
+        self._threads = None  # the adaptive kernel thread count (CPU), applied per step
         if adaptive_threads.enabled() and self.config.device == "cpu" and self.ranks is None:
-            self.step_observers.append(adaptive_threads.AdaptiveThreads(self.threads))
+            self._threads = adaptive_threads.AdaptiveThreads(self.threads)
+            self.step_observers.append(self._threads)
+            self._threads.release()
 
     def close(self) -> None:
         """Free the model, the KV cache and the swap space now (requests in flight are aborted);
@@ -183,6 +186,15 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """schedule -> execute -> sample -> update; outputs for the requests that advanced."""
         self._check_open()
+        if self._threads is None:
+            return self._step()
+        self._threads.apply()
+        try:
+            return self._step()
+        finally:
+            self._threads.release()
+
+    def _step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         self.last_schedule = out  # for observers (the analyzer classifies steps by it)

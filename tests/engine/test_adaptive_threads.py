@@ -105,3 +105,21 @@ def test_the_kernel_cap_does_not_change_results(two_threads):
     finally:
         cpu_gemv.set_thread_cap(None)
     assert torch.equal(one, two)
+
+
+def test_an_engine_does_not_leak_its_kernel_cap(tiny_models, llm_factory, prompt_of, monkeypatch):
+    """The cap is process-wide: the engine applies it for its own steps only (the planner's
+    measurements and other engines in the process run uncapped)."""
+    from strata import SamplingParams
+
+    monkeypatch.delenv("STRATA_ADAPTIVE_THREADS", raising=False)
+    llm = llm_factory(tiny_models["llama"], num_threads=2)
+    tuner = llm.engine._threads
+    assert tuner is not None and cpu_gemv.thread_cap() is None
+    seen = []
+    monkeypatch.setattr(cpu_gemv, "sync_threads", lambda real=cpu_gemv.sync_threads: seen.append(
+        cpu_gemv.thread_cap()) or real())
+    llm.generate([{"prompt_token_ids": prompt_of(1, 6)}], SamplingParams(max_tokens=4, temperature=0.0),
+                 use_tqdm=False)
+    assert seen and set(seen) == {tuner.cap}  # every kernel of its steps ran under its cap
+    assert cpu_gemv.thread_cap() is None  # and nothing is left behind
