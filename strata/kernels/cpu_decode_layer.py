@@ -53,51 +53,37 @@ if numba is not None:
     # patterns int16, int8 int8, packed int4 uint8); `vnni` picks the int8-activation variant at
     # run time. Plain functions, not function arguments: numba cannot cache a function that takes
     # another as an argument (its type names the process's dispatcher object).
+    def _by_dtype(dt, f32, bf16, int8, int8_vnni, int4, int4_vnni):
+        """The implementation for one weight storage dtype, from that projection's kernels."""
+        if dt == types.float32:
+            return lambda w, s, x, out, group, vnni, threads: f32(w, x, out, threads)
+        if dt == types.int16:
+            return lambda w, s, x, out, group, vnni, threads: bf16(w, x, out, threads)
+        if dt == types.int8:
+            def int8_impl(w, s, x, out, group, vnni, threads):
+                if vnni:
+                    int8_vnni(w, s, x, out, threads)
+                else:
+                    int8(w, s, x, out, threads)
+            return int8_impl
+        if dt == types.uint8:
+            def int4_impl(w, s, x, out, group, vnni, threads):
+                if vnni:
+                    int4_vnni(w, s, x, out, group, threads)
+                else:
+                    int4(w, s, x, out, group, threads)
+            return int4_impl
+        return None
+
     @overload(project)
     def _project(w, s, x, out, group, vnni, threads):
-        dt = w.dtype
-        if dt == types.float32:
-            return lambda w, s, x, out, group, vnni, threads: cpu_gemv._gemv_rows(w, x, out, threads)
-        if dt == types.int16:
-            return lambda w, s, x, out, group, vnni, threads: cpu_bf16._bf16_gemv(w, x, out, threads)
-        if dt == types.int8:
-            def int8(w, s, x, out, group, vnni, threads):
-                if vnni:
-                    cpu_quant._int8_gemv_vnni(w, s, x, out, threads)
-                else:
-                    cpu_quant._int8_gemv(w, s, x, out, threads)
-            return int8
-        if dt == types.uint8:
-            def int4(w, s, x, out, group, vnni, threads):
-                if vnni:
-                    cpu_quant._int4_gemv_vnni(w, s, x, out, group, threads)
-                else:
-                    cpu_quant._int4_gemv(w, s, x, out, group, threads)
-            return int4
-        return None
+        return _by_dtype(w.dtype, cpu_gemv._gemv_rows, cpu_bf16._bf16_gemv, cpu_quant._int8_gemv,
+                         cpu_quant._int8_gemv_vnni, cpu_quant._int4_gemv, cpu_quant._int4_gemv_vnni)
 
     @overload(project_swiglu)
     def _project_swiglu(w, s, x, out, group, vnni, threads):
-        dt = w.dtype
-        if dt == types.float32:
-            return lambda w, s, x, out, group, vnni, threads: cpu_gemv._gemv_swiglu(w, x, out, threads)
-        if dt == types.int16:
-            return lambda w, s, x, out, group, vnni, threads: cpu_bf16._bf16_swiglu(w, x, out, threads)
-        if dt == types.int8:
-            def int8(w, s, x, out, group, vnni, threads):
-                if vnni:
-                    cpu_quant._int8_swiglu_vnni(w, s, x, out, threads)
-                else:
-                    cpu_quant._int8_swiglu(w, s, x, out, threads)
-            return int8
-        if dt == types.uint8:
-            def int4(w, s, x, out, group, vnni, threads):
-                if vnni:
-                    cpu_quant._int4_swiglu_vnni(w, s, x, out, group, threads)
-                else:
-                    cpu_quant._int4_swiglu(w, s, x, out, group, threads)
-            return int4
-        return None
+        return _by_dtype(w.dtype, cpu_gemv._gemv_swiglu, cpu_bf16._bf16_swiglu, cpu_quant._int8_swiglu,
+                         cpu_quant._int8_swiglu_vnni, cpu_quant._int4_swiglu, cpu_quant._int4_swiglu_vnni)
 
     @njit(cache=True)
     def _add_bias(out, bias):  # pragma: no cover - compiled
