@@ -27,7 +27,7 @@ from strata.config import cache_root
 
 logger = logging.getLogger(__name__)
 
-SCHEMA = 1
+SCHEMA = 2  # 2: residuals after the decode probe's kernel times (plan.py), not the rate model's
 DEPTHS = (2, 10)
 BATCHES = (1, 16, 64)
 PROMPT_LEN = 32

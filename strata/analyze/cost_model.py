@@ -277,7 +277,11 @@ def _kv_split(cfg: ModelConfig, tp: int) -> int:
 
 
 def decode_step(shape: ModelShape, dev: Device, batch: int, context: int, tp: int = 1,
-                overhead=None) -> Step:
+                overhead=None, probe=None) -> Step:
+    """One decode step of `batch` sequences attending over `context` tokens. `probe`
+    (decode_probe.DecodeTimes, `this` device, tp 1): the model's own layers and head timed at
+    their shapes replace the rate formulas; the KV bytes beyond the probe's context are added at
+    the memory bandwidth."""
     cfg = shape.cfg
     w = shape.stream_bytes / tp
     kv = batch * context * shape.kv_per_token / _kv_split(cfg, tp)
@@ -287,7 +291,11 @@ def decode_step(shape: ModelShape, dev: Device, batch: int, context: int, tp: in
     mem_s = w / stream + kv / mem
     compute_s = (f_lin + f_att) / dev.rate(batch)
     roofline = max(mem_s, compute_s)
-    if dev.few_rows and batch <= dev.few_rows:  # measured kernel line between 1 and few_rows rows
+    if probe is not None and tp == 1:
+        layer_s, head_s = probe.at(batch)
+        extra_kv = batch * (context - probe.context) * shape.kv_per_token
+        kernel = max(0.0, cfg.num_layers * layer_s + head_s + extra_kv / mem)
+    elif dev.few_rows and batch <= dev.few_rows:  # measured kernel line between 1 and few_rows rows
         t1 = w / stream
         tn = 2 * dev.few_rows * shape.p_lin / tp / dev.rate(dev.few_rows)
         lin = t1 + (batch - 1) * max(0.0, tn - t1) / max(1, dev.few_rows - 1)

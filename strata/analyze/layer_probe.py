@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 # DRAM as in the full model instead of finding them in the last-level cache
 SPAN_BYTES = 96 * 2**20
 MAX_COPIES = 4
-REPEATS = 5
+REPEATS = 7
 # prompts longer than this are timed at this many tokens and scaled (projections linearly,
 # attention by its causal FLOPs): the GEMMs are at full rate well before 512 rows
 PROBE_MAX_TOKENS = 512
@@ -67,7 +67,9 @@ def _median_seconds(fn, device: torch.device) -> float:
     return statistics.median(times)
 
 
-def _measure(cfg: ModelConfig, dtype: torch.dtype, tokens: int, device: str) -> LayerTimes:
+def _measure(cfg: ModelConfig, dtype: torch.dtype, tokens: int, device: str, quantization: str | None = None,
+             group: int = 64) -> LayerTimes:
+    from strata.analyze.decode_probe import store_like_engine
     from strata.graph.models.llama import DecoderLayer
     from strata.kernels.attention import AttentionMetadata, PrefillSpan, _prefill
 
@@ -76,16 +78,15 @@ def _measure(cfg: ModelConfig, dtype: torch.dtype, tokens: int, device: str) -> 
     block = 16
     blocks = -(-tokens // block)
     with torch.inference_mode():
-        first = DecoderLayer(cfg).to(device=dev, dtype=dtype)
-        per_layer = sum(p.numel() * p.element_size() for p in first.parameters())
-        copies = max(1, min(MAX_COPIES, math.ceil(SPAN_BYTES / max(per_layer, 1))))
-        layers = [first] + [DecoderLayer(cfg).to(device=dev, dtype=dtype) for _ in range(copies - 1)]
-        if dev.type == "cpu":  # the prefill GEMMs the engine marks on its own projections
-            from strata.hardware.dtype_policy import mark_prefill_gemms
-            from strata.hardware.probe import probe
+        def build() -> DecoderLayer:  # stored as the engine stores it: arena, bf16 / int8 / int4, GEMM marks
+            layer = DecoderLayer(cfg).to(device=dev, dtype=dtype)
+            store_like_engine(layer, quantization, group, device)
+            return layer
 
-            for layer in layers:
-                mark_prefill_gemms(layer, probe("cpu"))
+        first = build()
+        per_layer = sum(p.numel() * p.element_size() for p in [*first.parameters(), *first.buffers()])
+        copies = max(1, min(MAX_COPIES, math.ceil(SPAN_BYTES / max(per_layer, 1))))
+        layers = [first] + [build() for _ in range(copies - 1)]
         caches = [torch.zeros(2, blocks, block, cfg.num_kv_heads, cfg.head_dim, device=dev, dtype=dtype)
                   for _ in range(copies)]
         # the engine's own prefill step: flat [T, hidden] tokens, paged cache write, SDPA
@@ -140,11 +141,13 @@ def probe_seconds(layer_gemm_s: float) -> float:
     return layer_gemm_s * (MAX_COPIES + 2 * REPEATS)
 
 
-def measure_prefill_layer(cfg: ModelConfig, dtype: torch.dtype, tokens: int, device: str = "cpu") -> LayerTimes:
-    """Per-layer prefill times over `tokens` tokens (cached per shape for this process)."""
+def measure_prefill_layer(cfg: ModelConfig, dtype: torch.dtype, tokens: int, device: str = "cpu",
+                          quantization: str | None = None, group: int = 64) -> LayerTimes:
+    """Per-layer prefill times over `tokens` tokens with the weights stored as the engine stores
+    them for `quantization` (cached per shape for this process)."""
     if tokens < 1:
         raise ValueError(f"tokens={tokens}: must be >= 1")
-    key = (repr(cfg), dtype, tokens, device)  # ModelConfig holds dicts: not hashable itself
+    key = (repr(cfg), dtype, tokens, device, quantization, group)  # ModelConfig holds dicts: not hashable
     if key not in _CACHE:
-        _CACHE[key] = _measure(cfg, dtype, tokens, device)
+        _CACHE[key] = _measure(cfg, dtype, tokens, device, quantization, group)
     return _CACHE[key]

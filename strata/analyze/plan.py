@@ -25,7 +25,11 @@ and the CPU prediction follows the measured kernels rather than the max(): a 1..
 streams the weights once and its time grows linearly between the two measured points
 (t1 = W/stream at 1 row, t16 = 16 rows' FLOPs / rate at 16; linear in between), attention
 is max(KV/mem, FLOPs/rate), and the step overhead (calibrate.py: Python, dispatch, sampler,
-measured on the engine itself) is added. Prefill on `this` is priced from one decoder layer of
+measured on the engine itself) is added. Those formulas are the fallback: decode on `this` is
+priced from the model's own layers built in the engine's weight format and timed for decode steps
+of 1/4/16/64 sequences (decode_probe.py: layers x per-layer time + the LM head + the KV beyond the
+probe's context at the memory bandwidth), when that fits its time and memory budget; the
+calibrated overhead is then what the engine adds around those kernels. Prefill on `this` is priced from one decoder layer of
 the model timed at its own shapes (layer_probe.py: projections, attention, and the elementwise
 work no FLOP count sees), times the layers, plus the lm_head read; the rates above are the
 fallback when that layer would take too long to time. Tensor parallel adds 2 all-reduces per layer of
@@ -72,6 +76,9 @@ logger = logging.getLogger(__name__)
 # `this` device: prefill is priced from one layer timed at the model's shapes (layer_probe.py)
 # when that costs at most this long; larger models fall back to the measured rates
 LAYER_PROBE_BUDGET_S = 5.0
+# and decode from the model's own layers (decode_probe.py) within these
+DECODE_PROBE_BUDGET_S = 20.0
+DECODE_PROBE_MEMORY_SHARE = 0.4
 
 
 # ---------------------------------------------------------------- inputs
@@ -179,6 +186,7 @@ class Plan:
     steps: list[Step]
     crossover: float | None
     overhead: Any
+    decode_probe: Any = None  # decode_probe.DecodeTimes: `this` device's decode kernels, timed
     tp_options: list[TPOption] = field(default_factory=list)
     best: dict[str, Any] | None = None
     price_per_hour: float | None = None
@@ -304,19 +312,27 @@ def build_plan(req: PlanRequest, profile=None, overhead=None) -> Plan:
     if is_this and overhead is None:
         from strata.analyze.calibrate import step_overhead
 
+        tiny_probes: dict[str, Any] = {}
+
         def kernel_seconds(c: ModelConfig, batch: int, ctx: int) -> float:
+            # the calibration models' kernels timed as the plan times this model's: what is left
+            # of their measured steps is the engine's per-step work (scheduler, runner, sampler)
             s = ModelShape.of(c, dtype, req.quantization, req.group_size)
-            return decode_step(s, dev, batch, ctx).kernel_s
+            key = repr(c)
+            if key not in tiny_probes:
+                tiny_probes[key] = _decode_probe(c, s, dev, dtype, req, [])
+            return decode_step(s, dev, batch, ctx, probe=tiny_probes[key]).kernel_s
 
         overhead = step_overhead(dev.torch_device or "cpu", dtype, req.quantization, kernel_seconds,
                                  refresh=req.refresh)
     if not is_this:
         notes.append("no per-step software overhead on datasheet targets (assumes CUDA graphs or equal)")
+    probe = _decode_probe(cfg, shape, dev, dtype, req, notes) if is_this else None
 
-    options = _tp_options(shape, dev, req, dtype, max_len, context, overhead)  # options[0]: TP=1
-    steps = [decode_step(shape, dev, b, context, 1, overhead) for b in _batches(req.batch)]
+    options = _tp_options(shape, dev, req, dtype, max_len, context, overhead, probe)  # options[0]: TP=1
+    steps = [decode_step(shape, dev, b, context, 1, overhead, probe) for b in _batches(req.batch)]
     layer = None
-    if is_this and req.quantization is None:
+    if is_this:
         from strata.analyze.layer_probe import (
             PROBE_MAX_TOKENS,
             measure_prefill_layer,
@@ -326,7 +342,8 @@ def build_plan(req: PlanRequest, profile=None, overhead=None) -> Plan:
         tokens = min(input_len, req.max_num_batched_tokens, PROBE_MAX_TOKENS)
         cost = probe_seconds(2 * shape.p_layers / cfg.num_layers * tokens / (dev.gemm_gflops * 1e9))
         if cost <= LAYER_PROBE_BUDGET_S:
-            layer = measure_prefill_layer(cfg, dtype, tokens, dev.torch_device or "cpu")
+            layer = measure_prefill_layer(cfg, dtype, tokens, dev.torch_device or "cpu", req.quantization,
+                                          req.group_size)
         else:
             notes.append(f"prefill from the measured rates: timing one layer at {tokens} tokens would take "
                          f"~{cost:.0f} s (layer probe budget {LAYER_PROBE_BUDGET_S:.0f} s)")
@@ -336,7 +353,7 @@ def build_plan(req: PlanRequest, profile=None, overhead=None) -> Plan:
         dtype=str(dtype).replace("torch.", ""), quantization=req.quantization, hardware=req.hardware,
         device=dev, max_model_len=max_len, input_len=input_len, context=context, memory=options[0].memory,
         prefill=pre, steps=steps, crossover=crossover_batch(shape, dev, context), overhead=overhead,
-        tp_options=options, price_per_hour=req.price_per_hour, notes=notes + list(dev.notes),
+        decode_probe=probe, tp_options=options, price_per_hour=req.price_per_hour, notes=notes + list(dev.notes),
     )
     plan.best = _best(plan)
     return plan
@@ -347,14 +364,47 @@ def _fitting(steps: list[Step], blocks: int, block_size: int) -> list[Step]:
     return [s for s in steps if s.batch * per_seq <= blocks]
 
 
+def _decode_probe(cfg: ModelConfig, shape: ModelShape, dev: Device, dtype: torch.dtype, req: PlanRequest,
+                  notes: list[str]):
+    """`this` device: the model's decode kernels timed at its shapes (decode_probe.py), or None
+    (rates) when building and timing them would take more memory or time than the budget."""
+    from strata.analyze.decode_probe import (
+        PROBE_BATCHES,
+        PROBE_CONTEXT,
+        REPEATS,
+        WARMUP,
+        decode_probe,
+        estimate_layer_bytes,
+        layers_to_build,
+        probe_bytes,
+    )
+
+    held = probe_bytes(cfg, dtype, req.quantization, req.group_size)
+    built = layers_to_build(cfg, estimate_layer_bytes(cfg, dtype, req.quantization, req.group_size))
+    rate_s = sum(decode_step(shape, dev, b, PROBE_CONTEXT).kernel_s for b in PROBE_BATCHES)
+    cost = held / 1e9 + 2 * (WARMUP + REPEATS + 1) * rate_s * built / cfg.num_layers  # ~1 GB/s to build
+    room = (dev.available_bytes or 0) * DECODE_PROBE_MEMORY_SHARE
+    if cost > DECODE_PROBE_BUDGET_S or held > room:
+        why = (f"~{cost:.0f} s (budget {DECODE_PROBE_BUDGET_S:.0f} s)" if cost > DECODE_PROBE_BUDGET_S
+               else f"{held / 2**30:.1f} GiB (more than {DECODE_PROBE_MEMORY_SHARE:.0%} of free memory)")
+        notes.append(f"decode from the measured rates: timing the model's layers would take {why}; "
+                     "the per-layer Python of the engine is then only in the calibrated overhead")
+        return None
+    times = decode_probe(cfg, dtype, req.quantization, req.group_size, dev.torch_device or "cpu").retime()
+    notes.append(f"decode priced from the model's own layers timed here ({times.layers} of {cfg.num_layers} "
+                 f"layers built in the engine's weight format, batches {list(times.batches)} at context "
+                 f"{times.context}; decode_probe.py), the KV beyond that context at the memory bandwidth")
+    return times
+
+
 def _tp_options(shape: ModelShape, dev: Device, req: PlanRequest, dtype: torch.dtype, max_len: int,
-                context: int, overhead) -> list[TPOption]:
+                context: int, overhead, probe=None) -> list[TPOption]:
     out = []
     tp = 1
     while tp <= dev.count:
         if dev.count % tp == 0 and shape.cfg.num_heads % tp == 0:
             mem = memory_part(shape, dev, req, dtype, max_len, tp)
-            steps = [decode_step(shape, dev, b, context, tp, overhead) for b in _batches(req.batch)]
+            steps = [decode_step(shape, dev, b, context, tp, overhead, probe) for b in _batches(req.batch)]
             fit = _fitting(steps, mem.num_blocks, req.block_size) if mem.fits else []
             best = max(fit, key=lambda s: s.tokens_per_s) if fit else None
             replicas = dev.count // tp

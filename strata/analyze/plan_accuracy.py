@@ -12,11 +12,13 @@ prediction must see the machine the measurement sees), build `strata plan` for `
 `--quantization bf16|int8|int4` checks the other weight paths the same way (bf16 weights with fp32
 compute; int8/int4 with their VNNI integer kernels where the CPU has them).
 
-Decode is predicted at the mean context the measured steps attend over (prompt + output / 2),
-with the weight-streaming rate re-measured just before and just after each run (the median GEMV
-rate over a second, the mean of the two): on the dev VM that rate drifts between ~25 and ~40 GB/s
-within minutes, more than the tolerance, so a prediction from a profile taken earlier would test
-the drift, not the planner. The table shows the rate each prediction used.
+Decode is predicted at the mean context the measured steps attend over (prompt + output / 2).
+On the dev VM the memory bandwidth drifts between ~25 and ~40 GB/s within minutes, more than the
+tolerance, so a prediction from figures taken earlier would test the drift, not the planner: the
+plan's decode probe (decode_probe.py: the model's own layers timed at its shapes) is re-timed just
+before and just after each run and the two averaged ("probe ms/layer": the per-layer time used).
+Where the plan priced decode from the rates (no probe), the weight-streaming rate is re-measured
+the same way instead (the median GEMV rate over a second; "GEMV GB/s").
 """
 
 from __future__ import annotations
@@ -108,6 +110,34 @@ def _stream_now(dtype: str, quantization: str | None, seconds: float = 1.0) -> f
     return statistics.median(rates)
 
 
+def _measure_with_drift(plan, model: str, args: argparse.Namespace, batch: int, n_in: int, n_out: int,
+                        prefill_case: bool):
+    """(measured, None, GEMV GB/s): the run with the weight-streaming rate re-measured just before
+    and after (the mean), for predictions from the rates (no decode probe) and for prefill."""
+    cpu = plan.device.kind == "cpu"  # the drift re-measurement is a CPU GEMV
+    before = _stream_now(plan.dtype, args.quantization) if cpu else plan.device.stream_gbs
+    got = _measure(model, args.dtype, args.quantization, batch, n_in, n_out)
+    stream = (before + _stream_now(plan.dtype, args.quantization)) / 2 if cpu else before
+    if prefill_case:  # compute-bound: the plan's own figures
+        stream = plan.device.stream_gbs
+    return got, None, stream
+
+
+def _retime(plan, cfg, args: argparse.Namespace):
+    import torch
+
+    from strata.analyze.decode_probe import decode_probe
+    from strata.config import engine_default
+
+    return decode_probe(cfg, getattr(torch, plan.dtype), args.quantization, engine_default("quantization_group_size"),
+                        plan.device.torch_device or "cpu").retime()
+
+
+def _mean_times(a, b):
+    return dataclasses.replace(a, layer_s=tuple((x + y) / 2 for x, y in zip(a.layer_s, b.layer_s)),
+                               head_s=tuple((x + y) / 2 for x, y in zip(a.head_s, b.head_s)))
+
+
 def _predict(model: str, dtype: str, quantization: str | None):
     from strata.analyze.plan import PlanRequest, build_plan
 
@@ -133,27 +163,34 @@ def main(args: argparse.Namespace) -> int:
                               engine_default("quantization_group_size"))
         for case, batch, n_in, n_out, target in CASES:
             print(f"{model}: strata bench latency, {case} ...", flush=True)
-            cpu = plan.device.kind == "cpu"  # the drift re-measurement is a CPU GEMV
-            before = _stream_now(plan.dtype, args.quantization) if cpu else plan.device.stream_gbs
-            got = _measure(model, args.dtype, args.quantization, batch, n_in, n_out)
-            stream = (before + _stream_now(plan.dtype, args.quantization)) / 2 if cpu else before
-            if case.endswith("prefill"):
+            prefill_case = case.endswith("prefill")
+            if prefill_case or plan.decode_probe is None:
+                got, probe, stream = _measure_with_drift(plan, model, args, batch, n_in, n_out, prefill_case)
+            else:  # the model's layers timed again just before and just after the run, averaged
+                before = _retime(plan, cfg, args)
+                got = _measure(model, args.dtype, args.quantization, batch, n_in, n_out)
+                probe = _mean_times(before, _retime(plan, cfg, args))
+                stream = plan.device.stream_gbs
+            if prefill_case:
                 predicted, measured, unit = plan.prefill.total_s * 1e3, got["prefill_s"] * 1e3, "ms"
-                stream = plan.device.stream_gbs  # compute-bound: the plan's own figures
             else:
                 drift = stream / plan.device.stream_gbs
                 dev = dataclasses.replace(plan.device, stream_gbs=stream, mem_gbs=plan.device.mem_gbs * drift)
-                step = decode_step(shape, dev, batch, n_in + n_out // 2, 1, plan.overhead)
+                step = decode_step(shape, dev, batch, n_in + n_out // 2, 1, plan.overhead, probe)
                 predicted, measured, unit = step.tokens_per_s, got["decode_tokens_per_s"], "tok/s"
+            layer_ms = probe.at(batch)[0] * 1e3 if probe is not None and not prefill_case else None
             error = predicted / measured - 1
             ok = abs(error) <= target
             pairs.append(dict(model=model, case=case, unit=unit, predicted=predicted, measured=measured,
-                              error=error, target=target, ok=ok, stream_gbs=stream))
+                              error=error, target=target, ok=ok, stream_gbs=stream, probe_layer_ms=layer_ms))
             rows.append([model, case, unit, predicted, measured, f"{error:+.1%}", f"±{target:.0%}",
-                         "yes" if ok else "NO", stream])
+                         "yes" if ok else "NO", "-" if layer_ms is None else layer_ms, stream])
+        from strata.analyze.decode_probe import forget
+
+        forget()  # this model's probe layers: freed before the next model's
     print()
-    print_table(["model", "case", "unit", "predicted", "measured", "error", "target", "within", "GEMV GB/s"],
-                rows)
+    print_table(["model", "case", "unit", "predicted", "measured", "error", "target", "within",
+                 "probe ms/layer", "GEMV GB/s"], rows)
     held = sum(p["ok"] for p in pairs)
     path = args.dtype + (f" + {args.quantization} weights" if args.quantization else "")
     print(f"\n{held}/{len(pairs)} pairs within target ({path}; predictions from `strata plan --hardware this`)")

@@ -40,10 +40,31 @@ def test_plan_accuracy_pairs(tmp_path, capsys, monkeypatch, cpu_profile):
         assert p["model"] == "tiny" and p["predicted"] > 0 and p["measured"] > 0
         assert math.isclose(p["error"], p["predicted"] / p["measured"] - 1)
         assert p["ok"] == (abs(p["error"]) <= p["target"])
-    # decode predictions use the re-measured stream rate; prefill the plan's own
-    assert [p["stream_gbs"] for p in pairs] == [16.0, cpu_profile.linear_gbs["float32"], 16.0]
+    # decode predictions use the plan's decode probe, re-timed around each run; prefill the plan's own
+    assert [p["probe_layer_ms"] is not None and p["probe_layer_ms"] > 0 for p in pairs] == [True, False, True]
+    assert [p["stream_gbs"] for p in pairs] == [cpu_profile.linear_gbs["float32"]] * 3
     assert pairs[1]["unit"] == "ms" and pairs[0]["unit"] == "tok/s"
     assert len(requests) == 1
+
+
+def test_plan_accuracy_without_a_decode_probe_re_measures_the_stream(tmp_path, monkeypatch, cpu_profile):
+    """A plan priced from the rates (no decode probe: the model too large to time) has its decode
+    re-priced at the weight-streaming rate measured around each run."""
+    def predict(model, dtype, quantization):
+        req = PlanRequest(model=model, dtype=dtype, quantization=quantization, batch=16, input_len=512,
+                          context=192, max_model_len=2048)
+        plan = build_plan(req, profile=cpu_profile, overhead=StepOverhead.zero())
+        plan.decode_probe = None
+        return plan
+
+    monkeypatch.setattr(plan_accuracy, "_predict", predict)
+    monkeypatch.setattr(plan_accuracy, "_stream_now", lambda dtype, quant: 16.0)  # half the profile's 32 GB/s
+    monkeypatch.setattr(plan_accuracy, "_measure", lambda *a: {"prefill_s": 1.0, "decode_tokens_per_s": 10.0})
+    out = tmp_path / "acc.json"
+    assert main(["bench", "plan-accuracy", "--model", "tiny", "--json", str(out)]) == 0
+    pairs = json.loads(out.read_text())["pairs"]
+    assert [p["stream_gbs"] for p in pairs] == [16.0, cpu_profile.linear_gbs["float32"], 16.0]
+    assert all(p["probe_layer_ms"] is None for p in pairs)
 
 
 def test_plan_accuracy_bf16_weights_path(tmp_path, capsys, monkeypatch, cpu_profile):

@@ -1,0 +1,206 @@
+"""Measured decode-step kernels of a model at its own shapes, in its own weight format (`this` device).
+
+The rate model prices a decode step as weight bytes at one GEMV rate plus FLOPs at one matmul
+rate, both probed on one large matrix. Across CPUs that misses by 15-65%: the model's matrices
+are small (576..1536 wide), so thread hand-offs and per-layer calls weigh more than on the probe's
+16384 x 4096 matrix; the quantised probe matrix (64 MiB) sits in a large L3 on some machines and
+not others; and the engine runs each decoder layer as one fused call (graph/cpu_decode.py) whose
+cost no rate describes. So for `this` device the planner builds the model itself with random
+weights, with as many layers as span SPAN_BYTES of weights (all of them when the model is
+smaller: then the cache holds in the probe what it holds in the run), stored the way the engine
+stores them (bf16 narrowing, int8/int4 quantisation, the prefill GEMM marks), and times the
+engine's forward pass for decode steps of PROBE_BATCHES sequences at PROBE_CONTEXT tokens each,
+then the LM head on the step's rows. The decode price composes these: layers x the per-layer time
+(interpolated in batch, extended past the last probed batch along its last segment) + the head
+time + the KV bytes of the real context beyond PROBE_CONTEXT at the measured memory bandwidth.
+
+A probe keeps its model so `retime` can measure again (plan-accuracy re-times just before and
+after each measured run: the memory bandwidth of a shared VM moves within minutes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from strata.model_config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+PROBE_BATCHES = (1, 4, 16, 64)
+PROBE_CONTEXT = 128
+BLOCK = 16
+# weight bytes the probe's layers span: past the last-level cache of the CPUs measured so far
+# (a Zen 4 CCD holds 32 MiB, the Xeon VM reports 480 MiB over its sockets but holds ~105 MiB)
+SPAN_BYTES = 256 * 2**20
+WARMUP, REPEATS = 2, 7
+
+
+@dataclass(frozen=True)
+class DecodeTimes:
+    """Seconds of one decode step's kernels per probed batch: per decoder layer (the forward pass
+    over the probe's layers, divided by their count) and the LM head over the step's rows."""
+
+    batches: tuple[int, ...]
+    layer_s: tuple[float, ...]
+    head_s: tuple[float, ...]
+    context: int
+    layers: int  # decoder layers the probe built
+
+    def at(self, batch: int) -> tuple[float, float]:
+        """(per-layer, head) seconds at `batch`, piecewise-linear in batch."""
+        return _interp(self.batches, self.layer_s, batch), _interp(self.batches, self.head_s, batch)
+
+
+def _interp(xs: tuple[int, ...], ys: tuple[float, ...], x: float) -> float:
+    if len(xs) == 1:
+        return ys[0]
+    i = next((i for i in range(len(xs) - 1) if x <= xs[i + 1]), len(xs) - 2)
+    x0, x1, y0, y1 = xs[i], xs[i + 1], ys[i], ys[i + 1]
+    return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+
+
+def store_like_engine(model, quantization: str | None, group: int, device: str) -> None:
+    """The engine's weight formats and placement (engine/build.py: load into a weight arena,
+    quantize, then mark_gemms): the arena's transparent huge pages make the GEMVs ~14% faster."""
+    if quantization is None and device == "cpu":
+        from strata.memory.arena import rehome_in_arena
+
+        rehome_in_arena(model)  # the loader's arena (quantisation re-homes in its own)
+    elif quantization == "bf16":
+        from strata.memory.bf16_weights import narrow_model
+
+        narrow_model(model)
+    elif quantization is not None:
+        from strata.memory.quant import quantize_model
+
+        quantize_model(model, quantization, group)
+    if device == "cpu":
+        from strata.hardware.dtype_policy import mark_prefill_gemms
+        from strata.hardware.probe import probe
+
+        mark_prefill_gemms(model, probe("cpu"))
+
+
+def _held_bytes(module) -> int:
+    seen, total = set(), 0
+    for t in [*module.parameters(), *module.buffers()]:
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total
+
+
+def layers_to_build(cfg: ModelConfig, layer_bytes: int) -> int:
+    return max(1, min(cfg.num_layers, math.ceil(SPAN_BYTES / max(layer_bytes, 1))))
+
+
+class DecodeProbe:
+    """The model at `cfg`'s shapes with `layers_to_build` layers, its KV caches and step inputs."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, quantization: str | None, group: int,
+                 device: str = "cpu", layer_bytes: int | None = None) -> None:
+        from strata.graph.models.llama import CausalLM
+        from strata.kernels.attention import select_backend
+        from strata.memory.kv_cache import allocate_kv_cache
+
+        if layer_bytes is None:
+            layer_bytes = estimate_layer_bytes(cfg, dtype, quantization, group)
+        self.cfg, self.device = cfg, torch.device(device)
+        built = dataclasses.replace(cfg, num_layers=layers_to_build(cfg, layer_bytes))
+        torch.manual_seed(0)
+        with torch.device(self.device):
+            self.model = CausalLM(built, max_positions=PROBE_CONTEXT + 1).to(dtype).eval()
+        self.model.requires_grad_(False)
+        store_like_engine(self.model, quantization, group, device)
+        self.layers = built.num_layers
+        self.backend = select_backend("auto", device, dtype)
+        blocks_per_seq = -(-(PROBE_CONTEXT + 1) // BLOCK)
+        blocks = max(PROBE_BATCHES) * blocks_per_seq
+        self.kv_caches = allocate_kv_cache(built, blocks, BLOCK, dtype, device)  # the engine's allocation
+        self.blocks_per_seq = blocks_per_seq
+
+    def _step_inputs(self, batch: int):
+        from strata.kernels.attention import AttentionMetadata
+
+        dev, n, pos = self.device, self.blocks_per_seq, PROBE_CONTEXT
+        tables = torch.arange(batch * n, device=dev).view(batch, n)
+        positions = torch.full((batch,), pos, dtype=torch.long, device=dev)
+        slots = tables[:, pos // BLOCK] * BLOCK + pos % BLOCK
+        mask = None
+        if self.backend.uses_decode_mask:
+            keys = torch.arange(n * BLOCK, device=dev)
+            mask = (keys[None, :] <= positions[:, None]).view(batch, 1, 1, -1)
+        meta = AttentionMetadata(slot_mapping=slots, prefills=[], num_prefill_tokens=0,
+                                 decode_block_tables=tables, decode_mask=mask, decode_context_lens=positions + 1,
+                                 backend=self.backend)
+        ids = torch.randint(3, self.cfg.vocab_size, (batch,), device=dev)
+        return ids, positions, meta
+
+    def _seconds(self, fn) -> float:
+        cuda = self.device.type == "cuda"
+        times = []
+        for i in range(WARMUP + REPEATS):
+            if cuda:
+                torch.cuda.synchronize(self.device)
+            t0 = time.perf_counter()
+            fn()
+            if cuda:
+                torch.cuda.synchronize(self.device)
+            if i >= WARMUP:
+                times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    @torch.inference_mode()
+    def retime(self, batches: tuple[int, ...] = PROBE_BATCHES) -> DecodeTimes:
+        layer_s, head_s = [], []
+        for b in batches:
+            inputs = (*self._step_inputs(b), self.kv_caches)
+            hidden = self.model(*inputs)
+            layer_s.append(self._seconds(lambda inputs=inputs: self.model(*inputs)) / self.layers)
+            head_s.append(self._seconds(lambda hidden=hidden: self.model.compute_logits(hidden).float()))
+        times = DecodeTimes(tuple(batches), tuple(layer_s), tuple(head_s), PROBE_CONTEXT, self.layers)
+        logger.info("decode probe %s over %d layers at context %d: per layer %s ms, head %s ms (batches %s)",
+                    self.cfg.architecture, self.layers, PROBE_CONTEXT,
+                    [f"{x * 1e3:.3f}" for x in layer_s], [f"{x * 1e3:.2f}" for x in head_s], list(batches))
+        return times
+
+
+def estimate_layer_bytes(cfg: ModelConfig, dtype: torch.dtype, quantization: str | None, group: int) -> int:
+    """Weight bytes of one decoder layer as the engine stores it."""
+    from strata.memory.planner import weight_bytes
+
+    one = dataclasses.replace(cfg, num_layers=1, tie_word_embeddings=True)
+    none = dataclasses.replace(cfg, num_layers=0, tie_word_embeddings=True)
+    return max(1, weight_bytes(one, dtype, quantization, group) - weight_bytes(none, dtype, quantization, group))
+
+
+def probe_bytes(cfg: ModelConfig, dtype: torch.dtype, quantization: str | None, group: int) -> int:
+    """Memory the probe holds: its layers, embedding and head (as the engine stores them)."""
+    from strata.memory.planner import weight_bytes
+
+    layer = estimate_layer_bytes(cfg, dtype, quantization, group)
+    built = dataclasses.replace(cfg, num_layers=layers_to_build(cfg, layer))
+    return weight_bytes(built, dtype, quantization, group)
+
+
+_PROBES: dict[tuple, DecodeProbe] = {}
+
+
+def decode_probe(cfg: ModelConfig, dtype: torch.dtype, quantization: str | None, group: int,
+                 device: str = "cpu") -> DecodeProbe:
+    """The probe for this shape and format, built once per process (`forget` drops them)."""
+    key = (repr(cfg), dtype, quantization, group, device)
+    if key not in _PROBES:
+        _PROBES[key] = DecodeProbe(cfg, dtype, quantization, group, device)
+    return _PROBES[key]
+
+
+def forget() -> None:
+    _PROBES.clear()
