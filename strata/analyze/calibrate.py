@@ -111,9 +111,9 @@ def _checkpoint(layers: int) -> Path:
 
 
 def _decode_step_seconds(engine, batch: int) -> float:
-    """Seconds of a decode step with `batch` sequences (prefill steps excluded): the 20th
-    percentile, so that steps slowed by other processes on a shared machine do not count, as the
-    probe's best-of-N timings do not."""
+    """Seconds of a decode step with `batch` sequences (prefill steps excluded): the mean, as
+    `strata bench latency` reports a step and the decode probe (decode_probe.py) times its
+    kernels, so that what is left after subtracting the probe's times is the engine's own work."""
     from strata.engine.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=DECODE_STEPS, ignore_eos=True)
@@ -126,8 +126,8 @@ def _decode_step_seconds(engine, batch: int) -> float:
         engine.step()
         times.append(time.perf_counter() - t0)
     prefill_steps = -(-batch * PROMPT_LEN // engine.config.max_num_batched_tokens)
-    decode = sorted(times[prefill_steps + 1 :])
-    return decode[len(decode) // 5] if decode else statistics.median(times)
+    decode = times[prefill_steps + 1 :]
+    return statistics.fmean(decode) if decode else statistics.median(times)
 
 
 def measure_overhead(
@@ -154,7 +154,7 @@ def measure_overhead(
         cfg = ModelConfig.from_file(path / "config.json")
         _decode_step_seconds(engine, 1)  # warm-up: kernels compiled, pages touched
         for batch in BATCHES:
-            sec = min(_decode_step_seconds(engine, batch) for _ in range(2))
+            sec = statistics.fmean(_decode_step_seconds(engine, batch) for _ in range(2))
             measured[f"layers={layers},batch={batch}"] = sec
             residual[layers, batch] = sec - kernel_seconds(cfg, batch, PROMPT_LEN + DECODE_STEPS // 2)
         del engine

@@ -155,7 +155,7 @@ class DecodeProbe:
                 torch.cuda.synchronize(self.device)
             if i >= WARMUP:
                 times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+        return statistics.fmean(times)  # the mean, as `strata bench latency` reports a step
 
     @torch.inference_mode()
     def retime(self, batches: tuple[int, ...] = PROBE_BATCHES) -> DecodeTimes:
