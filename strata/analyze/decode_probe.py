@@ -40,6 +40,9 @@ BLOCK = 16
 # (a Zen 4 CCD holds 32 MiB, the Xeon VM reports 480 MiB over its sockets but holds ~105 MiB)
 SPAN_BYTES = 256 * 2**20
 WARMUP, REPEATS = 2, 7
+# prompts the probe's model also times whole (plan.py scales the prefill layer probe to it)
+PREFILL_MAX_TOKENS = 512
+PREFILL_WARMUP, PREFILL_REPEATS = 1, 3
 
 
 @dataclass(frozen=True)
@@ -116,13 +119,13 @@ class DecodeProbe:
         built = dataclasses.replace(cfg, num_layers=layers_to_build(cfg, layer_bytes))
         torch.manual_seed(0)
         with torch.device(self.device):
-            self.model = CausalLM(built, max_positions=PROBE_CONTEXT + 1).to(dtype).eval()
+            self.model = CausalLM(built, max_positions=max(PROBE_CONTEXT, PREFILL_MAX_TOKENS) + 1).to(dtype).eval()
         self.model.requires_grad_(False)
         store_like_engine(self.model, quantization, group, device)
         self.layers = built.num_layers
         self.backend = select_backend("auto", device, dtype)
         blocks_per_seq = -(-(PROBE_CONTEXT + 1) // BLOCK)
-        blocks = max(PROBE_BATCHES) * blocks_per_seq
+        blocks = max(max(PROBE_BATCHES) * blocks_per_seq, -(-PREFILL_MAX_TOKENS // BLOCK))
         self.kv_caches = allocate_kv_cache(built, blocks, BLOCK, dtype, device)  # the engine's allocation
         self.blocks_per_seq = blocks_per_seq
 
@@ -143,17 +146,17 @@ class DecodeProbe:
         ids = torch.randint(3, self.cfg.vocab_size, (batch,), device=dev)
         return ids, positions, meta
 
-    def _seconds(self, fn) -> float:
+    def _seconds(self, fn, warmup: int = WARMUP, repeats: int = REPEATS) -> float:
         cuda = self.device.type == "cuda"
         times = []
-        for i in range(WARMUP + REPEATS):
+        for i in range(warmup + repeats):
             if cuda:
                 torch.cuda.synchronize(self.device)
             t0 = time.perf_counter()
             fn()
             if cuda:
                 torch.cuda.synchronize(self.device)
-            if i >= WARMUP:
+            if i >= warmup:
                 times.append(time.perf_counter() - t0)
         return statistics.fmean(times)  # the mean, as `strata bench latency` reports a step
 
@@ -170,6 +173,27 @@ class DecodeProbe:
                     self.cfg.architecture, self.layers, PROBE_CONTEXT,
                     [f"{x * 1e3:.3f}" for x in layer_s], [f"{x * 1e3:.2f}" for x in head_s], list(batches))
         return times
+
+
+    @torch.inference_mode()
+    def prefill_layer_s(self, tokens: int) -> float:
+        """Mean seconds per layer of one `tokens`-token prompt (no prior context) through the
+        probe's layers: the engine's prefill forward, every built layer once per pass."""
+        from strata.kernels.attention import AttentionMetadata, PrefillSpan
+
+        if not 1 <= tokens <= PREFILL_MAX_TOKENS:
+            raise ValueError(f"tokens={tokens}: the probe times prompts of 1..{PREFILL_MAX_TOKENS} tokens")
+        dev = self.device
+        span = PrefillSpan(0, tokens, 0, torch.arange(-(-tokens // BLOCK), device=dev), None)
+        meta = AttentionMetadata(slot_mapping=torch.arange(tokens, device=dev), prefills=[span],
+                                 num_prefill_tokens=tokens, decode_block_tables=None, decode_mask=None,
+                                 backend=self.backend)
+        ids = torch.randint(3, self.cfg.vocab_size, (tokens,), device=dev)
+        pos = torch.arange(tokens, device=dev)
+        seconds = self._seconds(lambda: self.model(ids, pos, meta, self.kv_caches), PREFILL_WARMUP, PREFILL_REPEATS)
+        logger.info("decode probe's model: %d-token prefill %.2f ms per layer over %d layers", tokens,
+                    seconds / self.layers * 1e3, self.layers)
+        return seconds / self.layers
 
 
 def estimate_layer_bytes(cfg: ModelConfig, dtype: torch.dtype, quantization: str | None, group: int) -> int:

@@ -48,6 +48,11 @@ class LayerTimes:
     def layer_s(self) -> float:
         return self.gemm_s + self.attention_s + self.elementwise_s
 
+    def scaled(self, layer_s: float) -> LayerTimes:
+        """The same split, scaled to a whole-layer time measured another way."""
+        r = layer_s / self.layer_s if self.layer_s > 0 else 1.0
+        return LayerTimes(self.tokens, self.gemm_s * r, self.attention_s * r, self.elementwise_s * r)
+
 
 _CACHE: dict[tuple, LayerTimes] = {}
 

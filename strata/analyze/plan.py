@@ -187,6 +187,7 @@ class Plan:
     crossover: float | None
     overhead: Any
     decode_probe: Any = None  # decode_probe.DecodeTimes: `this` device's decode kernels, timed
+    prefill_layer: Any = None  # layer_probe.LayerTimes the prefill was priced from (`this`)
     tp_options: list[TPOption] = field(default_factory=list)
     best: dict[str, Any] | None = None
     price_per_hour: float | None = None
@@ -344,6 +345,8 @@ def build_plan(req: PlanRequest, profile=None, overhead=None) -> Plan:
         if cost <= LAYER_PROBE_BUDGET_S:
             layer = measure_prefill_layer(cfg, dtype, tokens, dev.torch_device or "cpu", req.quantization,
                                           req.group_size)
+            if probe is not None:
+                layer = _whole_prompt_layer(cfg, dtype, req, dev, layer, probe, notes)
         else:
             notes.append(f"prefill from the measured rates: timing one layer at {tokens} tokens would take "
                          f"~{cost:.0f} s (layer probe budget {LAYER_PROBE_BUDGET_S:.0f} s)")
@@ -353,7 +356,7 @@ def build_plan(req: PlanRequest, profile=None, overhead=None) -> Plan:
         dtype=str(dtype).replace("torch.", ""), quantization=req.quantization, hardware=req.hardware,
         device=dev, max_model_len=max_len, input_len=input_len, context=context, memory=options[0].memory,
         prefill=pre, steps=steps, crossover=crossover_batch(shape, dev, context), overhead=overhead,
-        decode_probe=probe, tp_options=options, price_per_hour=req.price_per_hour, notes=notes + list(dev.notes),
+        decode_probe=probe, prefill_layer=layer, tp_options=options, price_per_hour=req.price_per_hour, notes=notes + list(dev.notes),
     )
     plan.best = _best(plan)
     return plan
@@ -395,6 +398,28 @@ def _decode_probe(cfg: ModelConfig, shape: ModelShape, dev: Device, dtype: torch
                  f"layers built in the engine's weight format, batches {list(times.batches)} at context "
                  f"{times.context}; decode_probe.py), the KV beyond that context at the memory bandwidth")
     return times
+
+
+def _whole_prompt_layer(cfg: ModelConfig, dtype: torch.dtype, req: PlanRequest, dev: Device, layer, probe,
+                        notes: list[str]):
+    """The layer probe's split scaled to the decode probe's model timed over the whole prompt: a
+    pass through all its layers (up to all of the model's) varies far less on a shared VM than one
+    layer over <= 4 copies, and sees whatever the engine's forward adds around the layers."""
+    from strata.analyze.decode_probe import (
+        PREFILL_MAX_TOKENS,
+        PREFILL_REPEATS,
+        PREFILL_WARMUP,
+        decode_probe,
+    )
+
+    cost = (PREFILL_WARMUP + PREFILL_REPEATS) * probe.layers * layer.layer_s
+    if layer.tokens > PREFILL_MAX_TOKENS or cost > DECODE_PROBE_BUDGET_S:
+        return layer
+    model = decode_probe(cfg, dtype, req.quantization, req.group_size, dev.torch_device or "cpu")
+    scaled = layer.scaled(model.prefill_layer_s(layer.tokens))
+    notes.append(f"prefill layer times scaled to the model's {probe.layers} layers timed over a {layer.tokens}-token "
+                 f"prompt ({scaled.layer_s * 1e3:.2f} vs {layer.layer_s * 1e3:.2f} ms per layer alone)")
+    return scaled
 
 
 def _tp_options(shape: ModelShape, dev: Device, req: PlanRequest, dtype: torch.dtype, max_len: int,

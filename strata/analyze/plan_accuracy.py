@@ -16,7 +16,9 @@ Decode is predicted at the mean context the measured steps attend over (prompt +
 On the dev VM the memory bandwidth drifts between ~25 and ~40 GB/s within minutes, more than the
 tolerance, so a prediction from figures taken earlier would test the drift, not the planner: the
 plan's decode probe (decode_probe.py: the model's own layers timed at its shapes) is re-timed just
-before and just after each run and the two averaged ("probe ms/layer": the per-layer time used).
+before and just after each run and the two averaged ("probe ms/layer": the per-layer time used);
+for the prefill pair its model is timed over the 512-token prompt the same way and the plan's
+layer split is scaled to that.
 Where the plan priced decode from the rates (no probe), the weight-streaming rate is re-measured
 the same way instead (the median GEMV rate over a second; "GEMV GB/s").
 """
@@ -133,6 +135,17 @@ def _retime(plan, cfg, args: argparse.Namespace):
                         plan.device.torch_device or "cpu").retime()
 
 
+def _prefill_layer_now(plan, cfg, args: argparse.Namespace) -> float:
+    import torch
+
+    from strata.analyze.decode_probe import decode_probe
+    from strata.config import engine_default
+
+    model = decode_probe(cfg, getattr(torch, plan.dtype), args.quantization, engine_default("quantization_group_size"),
+                         plan.device.torch_device or "cpu")
+    return model.prefill_layer_s(plan.prefill_layer.tokens)
+
+
 def _mean_times(a, b):
     return dataclasses.replace(a, layer_s=tuple((x + y) / 2 for x, y in zip(a.layer_s, b.layer_s)),
                                head_s=tuple((x + y) / 2 for x, y in zip(a.head_s, b.head_s)))
@@ -147,7 +160,7 @@ def _predict(model: str, dtype: str, quantization: str | None):
 
 
 def main(args: argparse.Namespace) -> int:
-    from strata.analyze.cost_model import ModelShape, decode_step
+    from strata.analyze.cost_model import ModelShape, decode_step, prefill
     from strata.analyze.plan import resolve_model
     from strata.config import engine_default
 
@@ -164,7 +177,17 @@ def main(args: argparse.Namespace) -> int:
         for case, batch, n_in, n_out, target in CASES:
             print(f"{model}: strata bench latency, {case} ...", flush=True)
             prefill_case = case.endswith("prefill")
-            if prefill_case or plan.decode_probe is None:
+            prefill_s, layer_ms = plan.prefill.total_s, None
+            if prefill_case and plan.decode_probe is not None and plan.prefill_layer is not None:
+                # the probe's model timed over the prompt just before and after, as for decode
+                before = _prefill_layer_now(plan, cfg, args)
+                got = _measure(model, args.dtype, args.quantization, batch, n_in, n_out)
+                now = (before + _prefill_layer_now(plan, cfg, args)) / 2
+                layer_ms = now * 1e3
+                prefill_s = prefill(shape, plan.device, n_in, engine_default("max_num_batched_tokens"), 1,
+                                    plan.overhead, plan.prefill_layer.scaled(now)).total_s
+                probe, stream = None, plan.device.stream_gbs
+            elif prefill_case or plan.decode_probe is None:
                 got, probe, stream = _measure_with_drift(plan, model, args, batch, n_in, n_out, prefill_case)
             else:  # the model's layers timed again just before and just after the run, averaged
                 before = _retime(plan, cfg, args)
@@ -172,13 +195,14 @@ def main(args: argparse.Namespace) -> int:
                 probe = _mean_times(before, _retime(plan, cfg, args))
                 stream = plan.device.stream_gbs
             if prefill_case:
-                predicted, measured, unit = plan.prefill.total_s * 1e3, got["prefill_s"] * 1e3, "ms"
+                predicted, measured, unit = prefill_s * 1e3, got["prefill_s"] * 1e3, "ms"
             else:
                 drift = stream / plan.device.stream_gbs
                 dev = dataclasses.replace(plan.device, stream_gbs=stream, mem_gbs=plan.device.mem_gbs * drift)
                 step = decode_step(shape, dev, batch, n_in + n_out // 2, 1, plan.overhead, probe)
                 predicted, measured, unit = step.tokens_per_s, got["decode_tokens_per_s"], "tok/s"
-            layer_ms = probe.at(batch)[0] * 1e3 if probe is not None and not prefill_case else None
+            if not prefill_case:
+                layer_ms = probe.at(batch)[0] * 1e3 if probe is not None else None
             error = predicted / measured - 1
             ok = abs(error) <= target
             pairs.append(dict(model=model, case=case, unit=unit, predicted=predicted, measured=measured,

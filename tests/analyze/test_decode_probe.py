@@ -118,3 +118,15 @@ def test_this_plan_prices_decode_from_the_probe_and_falls_back_past_the_budget(t
                      profile=cpu_profile, overhead=StepOverhead.zero())
     assert big.decode_probe is None
     assert any("decode from the measured rates" in n for n in big.notes)
+
+
+def test_probe_times_a_whole_prompt_and_the_plan_scales_the_layer_probe_to_it(tiny_ckpt, cpu_profile) -> None:
+    cfg, _ = resolve_model("tiny")
+    probe = DecodeProbe(cfg, torch.float32, None, 32)
+    assert probe.prefill_layer_s(64) > 0
+    with pytest.raises(ValueError, match="tokens"):
+        probe.prefill_layer_s(10**6)
+    plan = build_plan(PlanRequest(model=str(tiny_ckpt), hardware="this", dtype="float32", max_model_len=128,
+                                  input_len=96, batch=2), profile=cpu_profile, overhead=StepOverhead.zero())
+    assert plan.prefill.source == "layer probe"
+    assert any("prefill layer times scaled to the model's" in n for n in plan.notes)

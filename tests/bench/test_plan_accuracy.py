@@ -40,8 +40,8 @@ def test_plan_accuracy_pairs(tmp_path, capsys, monkeypatch, cpu_profile):
         assert p["model"] == "tiny" and p["predicted"] > 0 and p["measured"] > 0
         assert math.isclose(p["error"], p["predicted"] / p["measured"] - 1)
         assert p["ok"] == (abs(p["error"]) <= p["target"])
-    # decode predictions use the plan's decode probe, re-timed around each run; prefill the plan's own
-    assert [p["probe_layer_ms"] is not None and p["probe_layer_ms"] > 0 for p in pairs] == [True, False, True]
+    # every prediction uses the plan's probe model, re-timed around each run (decode steps; the prompt)
+    assert all(p["probe_layer_ms"] is not None and p["probe_layer_ms"] > 0 for p in pairs)
     assert [p["stream_gbs"] for p in pairs] == [cpu_profile.linear_gbs["float32"]] * 3
     assert pairs[1]["unit"] == "ms" and pairs[0]["unit"] == "tok/s"
     assert len(requests) == 1
