@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from strata.analyze.cost_model import Device, ModelShape, decode_step
 from strata.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -40,6 +41,9 @@ BLOCK = 16
 # (a Zen 4 CCD holds 32 MiB, the Xeon VM reports 480 MiB over its sockets but holds ~105 MiB)
 SPAN_BYTES = 256 * 2**20
 WARMUP, REPEATS = 2, 7
+# the plan times the model's layers within these, else prices decode from the rates
+DECODE_PROBE_BUDGET_S = 20.0
+DECODE_PROBE_MEMORY_SHARE = 0.4
 # prompts the probe's model also times whole (plan.py scales the prefill layer probe to it)
 PREFILL_MAX_TOKENS = 512
 PREFILL_WARMUP, PREFILL_REPEATS = 1, 3
@@ -89,15 +93,6 @@ def store_like_engine(model, quantization: str | None, group: int, device: str) 
         from strata.hardware.probe import probe
 
         mark_prefill_gemms(model, probe("cpu"))
-
-
-def _held_bytes(module) -> int:
-    seen, total = set(), 0
-    for t in [*module.parameters(), *module.buffers()]:
-        if t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
-            total += t.numel() * t.element_size()
-    return total
 
 
 def layers_to_build(cfg: ModelConfig, layer_bytes: int) -> int:
@@ -228,3 +223,40 @@ def decode_probe(cfg: ModelConfig, dtype: torch.dtype, quantization: str | None,
 
 def forget() -> None:
     _PROBES.clear()
+
+
+def plan_probe(cfg: ModelConfig, shape: ModelShape, dev: Device, dtype: torch.dtype, quantization: str | None,
+               group: int, notes: list[str]) -> DecodeTimes | None:
+    """`this` device's decode kernels timed for the plan, or None (rates) when building and timing
+    them would take more time or memory than the budget; says which in `notes`."""
+    held = probe_bytes(cfg, dtype, quantization, group)
+    built = layers_to_build(cfg, estimate_layer_bytes(cfg, dtype, quantization, group))
+    rate_s = sum(decode_step(shape, dev, b, PROBE_CONTEXT).kernel_s for b in PROBE_BATCHES)
+    cost = held / 1e9 + 2 * (WARMUP + REPEATS + 1) * rate_s * built / cfg.num_layers  # ~1 GB/s to build
+    room = (dev.available_bytes or 0) * DECODE_PROBE_MEMORY_SHARE
+    if cost > DECODE_PROBE_BUDGET_S or held > room:
+        why = (f"~{cost:.0f} s (budget {DECODE_PROBE_BUDGET_S:.0f} s)" if cost > DECODE_PROBE_BUDGET_S
+               else f"{held / 2**30:.1f} GiB (more than {DECODE_PROBE_MEMORY_SHARE:.0%} of free memory)")
+        notes.append(f"decode from the measured rates: timing the model's layers would take {why}; "
+                     "the per-layer Python of the engine is then only in the calibrated overhead")
+        return None
+    times = decode_probe(cfg, dtype, quantization, group, dev.torch_device or "cpu").retime()
+    notes.append(f"decode priced from the model's own layers timed here ({times.layers} of {cfg.num_layers} "
+                 f"layers built in the engine's weight format, batches {list(times.batches)} at context "
+                 f"{times.context}; decode_probe.py), the KV beyond that context at the memory bandwidth")
+    return times
+
+
+def whole_prompt_layer(cfg: ModelConfig, dtype: torch.dtype, quantization: str | None, group: int, dev: Device,
+                       layer, probe: DecodeTimes, notes: list[str]):
+    """The prefill layer probe's split (layer_probe.LayerTimes) scaled to the probe's model timed
+    over the whole prompt: a pass through all its layers (up to all of the model's) varies far less
+    on a shared VM than one layer over <= 4 copies, and sees what the forward adds around them."""
+    cost = (PREFILL_WARMUP + PREFILL_REPEATS) * probe.layers * layer.layer_s
+    if layer.tokens > PREFILL_MAX_TOKENS or cost > DECODE_PROBE_BUDGET_S:
+        return layer
+    model = decode_probe(cfg, dtype, quantization, group, dev.torch_device or "cpu")
+    scaled = layer.scaled(model.prefill_layer_s(layer.tokens))
+    notes.append(f"prefill layer times scaled to the model's {probe.layers} layers timed over a {layer.tokens}-token "
+                 f"prompt ({scaled.layer_s * 1e3:.2f} vs {layer.layer_s * 1e3:.2f} ms per layer alone)")
+    return scaled

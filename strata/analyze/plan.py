@@ -65,6 +65,7 @@ from strata.analyze.cost_model import (
     this_device,
     tp_allreduce_seconds,
 )
+from strata.analyze.decode_probe import plan_probe, whole_prompt_layer
 from strata.config import DTYPES, engine_default
 from strata.errors import CapacityError, ConfigError
 from strata.hardware.specs import lookup, parse_hardware
@@ -76,9 +77,6 @@ logger = logging.getLogger(__name__)
 # `this` device: prefill is priced from one layer timed at the model's shapes (layer_probe.py)
 # when that costs at most this long; larger models fall back to the measured rates
 LAYER_PROBE_BUDGET_S = 5.0
-# and decode from the model's own layers (decode_probe.py) within these
-DECODE_PROBE_BUDGET_S = 20.0
-DECODE_PROBE_MEMORY_SHARE = 0.4
 
 
 # ---------------------------------------------------------------- inputs
@@ -321,14 +319,14 @@ def build_plan(req: PlanRequest, profile=None, overhead=None) -> Plan:
             s = ModelShape.of(c, dtype, req.quantization, req.group_size)
             key = repr(c)
             if key not in tiny_probes:
-                tiny_probes[key] = _decode_probe(c, s, dev, dtype, req, [])
+                tiny_probes[key] = plan_probe(c, s, dev, dtype, req.quantization, req.group_size, [])
             return decode_step(s, dev, batch, ctx, probe=tiny_probes[key]).kernel_s
 
         overhead = step_overhead(dev.torch_device or "cpu", dtype, req.quantization, kernel_seconds,
                                  refresh=req.refresh)
     if not is_this:
         notes.append("no per-step software overhead on datasheet targets (assumes CUDA graphs or equal)")
-    probe = _decode_probe(cfg, shape, dev, dtype, req, notes) if is_this else None
+    probe = plan_probe(cfg, shape, dev, dtype, req.quantization, req.group_size, notes) if is_this else None
 
     options = _tp_options(shape, dev, req, dtype, max_len, context, overhead, probe)  # options[0]: TP=1
     steps = [decode_step(shape, dev, b, context, 1, overhead, probe) for b in _batches(req.batch)]
@@ -346,7 +344,7 @@ def build_plan(req: PlanRequest, profile=None, overhead=None) -> Plan:
             layer = measure_prefill_layer(cfg, dtype, tokens, dev.torch_device or "cpu", req.quantization,
                                           req.group_size)
             if probe is not None:
-                layer = _whole_prompt_layer(cfg, dtype, req, dev, layer, probe, notes)
+                layer = whole_prompt_layer(cfg, dtype, req.quantization, req.group_size, dev, layer, probe, notes)
         else:
             notes.append(f"prefill from the measured rates: timing one layer at {tokens} tokens would take "
                          f"~{cost:.0f} s (layer probe budget {LAYER_PROBE_BUDGET_S:.0f} s)")
@@ -365,61 +363,6 @@ def build_plan(req: PlanRequest, profile=None, overhead=None) -> Plan:
 def _fitting(steps: list[Step], blocks: int, block_size: int) -> list[Step]:
     per_seq = -(-steps[0].context // block_size) if steps else 1
     return [s for s in steps if s.batch * per_seq <= blocks]
-
-
-def _decode_probe(cfg: ModelConfig, shape: ModelShape, dev: Device, dtype: torch.dtype, req: PlanRequest,
-                  notes: list[str]):
-    """`this` device: the model's decode kernels timed at its shapes (decode_probe.py), or None
-    (rates) when building and timing them would take more memory or time than the budget."""
-    from strata.analyze.decode_probe import (
-        PROBE_BATCHES,
-        PROBE_CONTEXT,
-        REPEATS,
-        WARMUP,
-        decode_probe,
-        estimate_layer_bytes,
-        layers_to_build,
-        probe_bytes,
-    )
-
-    held = probe_bytes(cfg, dtype, req.quantization, req.group_size)
-    built = layers_to_build(cfg, estimate_layer_bytes(cfg, dtype, req.quantization, req.group_size))
-    rate_s = sum(decode_step(shape, dev, b, PROBE_CONTEXT).kernel_s for b in PROBE_BATCHES)
-    cost = held / 1e9 + 2 * (WARMUP + REPEATS + 1) * rate_s * built / cfg.num_layers  # ~1 GB/s to build
-    room = (dev.available_bytes or 0) * DECODE_PROBE_MEMORY_SHARE
-    if cost > DECODE_PROBE_BUDGET_S or held > room:
-        why = (f"~{cost:.0f} s (budget {DECODE_PROBE_BUDGET_S:.0f} s)" if cost > DECODE_PROBE_BUDGET_S
-               else f"{held / 2**30:.1f} GiB (more than {DECODE_PROBE_MEMORY_SHARE:.0%} of free memory)")
-        notes.append(f"decode from the measured rates: timing the model's layers would take {why}; "
-                     "the per-layer Python of the engine is then only in the calibrated overhead")
-        return None
-    times = decode_probe(cfg, dtype, req.quantization, req.group_size, dev.torch_device or "cpu").retime()
-    notes.append(f"decode priced from the model's own layers timed here ({times.layers} of {cfg.num_layers} "
-                 f"layers built in the engine's weight format, batches {list(times.batches)} at context "
-                 f"{times.context}; decode_probe.py), the KV beyond that context at the memory bandwidth")
-    return times
-
-
-def _whole_prompt_layer(cfg: ModelConfig, dtype: torch.dtype, req: PlanRequest, dev: Device, layer, probe,
-                        notes: list[str]):
-    """The layer probe's split scaled to the decode probe's model timed over the whole prompt: a
-    pass through all its layers (up to all of the model's) varies far less on a shared VM than one
-    layer over <= 4 copies, and sees whatever the engine's forward adds around the layers."""
-    from strata.analyze.decode_probe import (
-        PREFILL_MAX_TOKENS,
-        PREFILL_REPEATS,
-        PREFILL_WARMUP,
-        decode_probe,
-    )
-
-    cost = (PREFILL_WARMUP + PREFILL_REPEATS) * probe.layers * layer.layer_s
-    if layer.tokens > PREFILL_MAX_TOKENS or cost > DECODE_PROBE_BUDGET_S:
-        return layer
-    model = decode_probe(cfg, dtype, req.quantization, req.group_size, dev.torch_device or "cpu")
-    scaled = layer.scaled(model.prefill_layer_s(layer.tokens))
-    notes.append(f"prefill layer times scaled to the model's {probe.layers} layers timed over a {layer.tokens}-token "
-                 f"prompt ({scaled.layer_s * 1e3:.2f} vs {layer.layer_s * 1e3:.2f} ms per layer alone)")
-    return scaled
 
 
 def _tp_options(shape: ModelShape, dev: Device, req: PlanRequest, dtype: torch.dtype, max_len: int,

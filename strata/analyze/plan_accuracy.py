@@ -125,25 +125,23 @@ def _measure_with_drift(plan, model: str, args: argparse.Namespace, batch: int, 
     return got, None, stream
 
 
-def _retime(plan, cfg, args: argparse.Namespace):
+def _probe_model(plan, cfg, args: argparse.Namespace):
+    """The plan's probe model (decode_probe.py; built once per process, so re-timing is cheap)."""
     import torch
 
     from strata.analyze.decode_probe import decode_probe
     from strata.config import engine_default
 
     return decode_probe(cfg, getattr(torch, plan.dtype), args.quantization, engine_default("quantization_group_size"),
-                        plan.device.torch_device or "cpu").retime()
+                        plan.device.torch_device or "cpu")
+
+
+def _retime(plan, cfg, args: argparse.Namespace):
+    return _probe_model(plan, cfg, args).retime()
 
 
 def _prefill_layer_now(plan, cfg, args: argparse.Namespace) -> float:
-    import torch
-
-    from strata.analyze.decode_probe import decode_probe
-    from strata.config import engine_default
-
-    model = decode_probe(cfg, getattr(torch, plan.dtype), args.quantization, engine_default("quantization_group_size"),
-                         plan.device.torch_device or "cpu")
-    return model.prefill_layer_s(plan.prefill_layer.tokens)
+    return _probe_model(plan, cfg, args).prefill_layer_s(plan.prefill_layer.tokens)
 
 
 def _mean_times(a, b):

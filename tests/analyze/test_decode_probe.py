@@ -97,7 +97,7 @@ LLAMA_2_7B = dict(architectures=["LlamaForCausalLM"], hidden_size=4096, intermed
 
 def test_this_plan_prices_decode_from_the_probe_and_falls_back_past_the_budget(tiny_ckpt, cpu_profile,
                                                                               tmp_path, monkeypatch) -> None:
-    import strata.analyze.plan as plan_module
+    import strata.analyze.decode_probe as probe_module
 
     plan = build_plan(PlanRequest(model=str(tiny_ckpt), hardware="this", dtype="float32", max_model_len=128,
                                   input_len=64, context=128, batch=4, quantization="int8"),
@@ -111,7 +111,7 @@ def test_this_plan_prices_decode_from_the_probe_and_falls_back_past_the_budget(t
     assert plan.steps[-1].kernel_s == pytest.approx(cfg.num_layers * layer_s + head_s)
     assert plan.prefill.source == "layer probe"  # quantised prefill is probed too, in its format
     # past the time budget (a 7B model's layers, with the budget cut): the rates, and a note saying why
-    monkeypatch.setattr(plan_module, "DECODE_PROBE_BUDGET_S", 1.0)
+    monkeypatch.setattr(probe_module, "DECODE_PROBE_BUDGET_S", 1.0)
     (tmp_path / "config.json").write_text(json.dumps(LLAMA_2_7B))
     big = build_plan(PlanRequest(model=str(tmp_path), hardware="this", dtype="float32", max_model_len=4096,
                                  input_len=4096, batch=2, kv_cache_memory=2**30),
