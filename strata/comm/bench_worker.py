@@ -157,8 +157,9 @@ def main(argv: list[str] | None = None) -> int:
         algos = transports if collective == "all_reduce" else [other]
         if collective == "all_reduce":
             algos = algos + [f"{t}+{c}" for c in args.compress.split(",") if c for t in transports]
-        specs += [(collective, tr, s) for tr in algos
-                  for s in (sizes[::2] if "+" in tr else sizes)]  # compressed: every other size
+        # every transport at every size: a compressed transport's cache-to-DRAM knee needs as
+        # many points as the plain one's for the fit to find its size regimes
+        specs += [(collective, tr, s) for tr in algos for s in sizes]
     seen: dict[tuple, list[dict]] = {}
     min_reps = max(1, -(-args.min_reps // args.passes))  # the pooled point has >= --min-reps
     for k in range(args.passes):  # pooled over the passes (see the module docstring)
