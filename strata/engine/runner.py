@@ -48,7 +48,8 @@ class ModelRunner:
         return torch.tensor(data, dtype=dtype, device=self.device)
 
     def prepare(self, out: SchedulerOutput):
-        """Build input ids, positions, attention metadata and the rows whose logits are needed."""
+        """Build input ids, positions, attention metadata and the rows whose logits are needed
+        (None: every row, in order)."""
         bs = self.block_size
         # a decode computes one token and samples; a 1-token prompt chunk that does not finish
         # the prompt is a (tiny) prefill chunk
@@ -114,7 +115,9 @@ class ModelRunner:
         )
         pos_t = torch.cat(positions) if len(positions) > 1 else positions[0]
         self.prompt_rows = prompt_rows
-        return self._tensor(ids), pos_t, meta, self._tensor(logit_rows), order
+        # every row in order (an all-decode step): no gather, the hidden states are the rows
+        every_row = len(logit_rows) == len(ids) and logit_rows == list(range(len(ids)))
+        return self._tensor(ids), pos_t, meta, None if every_row else self._tensor(logit_rows), order
 
     def _sampling_rows(self, order: list[tuple[ScheduledSeq, int]]):
         """Each sampling sequence with its logits row: a request forking this step (n > 1) has
@@ -151,8 +154,9 @@ class ModelRunner:
                               for seq, start, r in self.prompt_rows]  # read by the engine (prompt_logprobs)
         if not order:
             return None, []
-        logits = self.model.compute_logits(hidden.index_select(0, rows))
+        logits = self.model.compute_logits(hidden if rows is None else hidden.index_select(0, rows))
         seqs, expand = self._sampling_rows(order)
         if expand is not None:
             logits = logits[expand]
-        return logits.float(), seqs
+        # (.float() of an fp32 tensor is a no-op that still costs a dispatch, ~17 us here)
+        return logits if logits.dtype is torch.float32 else logits.float(), seqs

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from strata.engine.request import Sequence
@@ -49,6 +50,15 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, _MASK)
 
 
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """logits.argmax(-1); on CPU through numpy, whose argmax is ~8x faster than torch's here
+    (6 vs 53 us over a 49,152-token row, 53 vs 584 us over 16 rows) and picks the same index:
+    the first maximum, or the first NaN."""
+    if logits.is_cpu and logits.dtype in (torch.float32, torch.float64) and logits.dim() == 2:
+        return torch.from_numpy(np.argmax(logits.detach().numpy(), axis=-1))
+    return logits.argmax(-1)
+
+
 class Sampler:
     def __init__(self, vocab_size: int, eos_token_ids: list[int], seed: int = 0) -> None:
         self.vocab_size = vocab_size
@@ -77,10 +87,11 @@ class Sampler:
                     logits[dead] = unmasked[dead]
         else:
             logits = self._min_tokens(logits, seqs)
-        greedy = torch.tensor([p.temperature == 0 for p in params], device=dev)
-        greedy_ids = logits.argmax(-1)
+        greedy_rows = [p.temperature == 0 for p in params]
+        greedy_ids = argmax_rows(logits)
         tokens = greedy_ids
-        if not bool(greedy.all()):
+        if not all(greedy_rows):
+            greedy = torch.tensor(greedy_rows, device=dev)
             temp = torch.tensor([p.temperature or 1.0 for p in params], device=dev)
             logits = logits / temp[:, None]
             if any(p.top_k > 0 or p.top_p < 1 for p in params):

@@ -138,6 +138,20 @@ def decode_layer(x, residual, has_residual: bool, k_cache, v_cache, own: tuple, 
     _layer(x, residual, has_residual, k_cache, v_cache, *own, *step)
 
 
+@kernel("decode_layer")
+def decode_layers(x, layers, step: tuple) -> None:
+    """Every layer of the step in turn, `layers` holding each layer's (own, k_cache, v_cache):
+    layer 0 reads x (the embedding), each later one the step's `out` / `res_out`, where the last
+    leaves the MLP branch and the residual stream. One Python loop over the compiled layer with
+    nothing else per layer: the per-layer argument checks happen once per step
+    (graph/cpu_decode.py)."""
+    out, res_out = step[-2], step[-1]
+    residual, has_residual = x, False
+    for own, k_cache, v_cache in layers:
+        _layer(x, residual, has_residual, k_cache, v_cache, *own, *step)
+        x, residual, has_residual = out, res_out, True
+
+
 @kernel("add_rms_norm")
 def final_norm(x, residual, weight, eps, out) -> None:
     """out = rms_norm(x + residual) * weight over numpy rows (the model's last norm; no residual out)."""

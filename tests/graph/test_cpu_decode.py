@@ -19,14 +19,21 @@ EAGER = {"qwen3": "q/k norms", "gemma3": "sandwich norms, GeGLU", "phi4mini": "p
 
 @pytest.fixture
 def count_fused(monkeypatch):
+    """Rows of every fused layer run: one entry per layer, whether the step ran its layers one
+    call each (decode_layer) or all in one loop (decode_layers)."""
     calls = []
-    real = cpu_decode_layer.decode_layer
+    one, stack = cpu_decode_layer.decode_layer, cpu_decode_layer.decode_layers
 
-    def counting(*args):
+    def counting_one(*args):
         calls.append(args[0].shape[0])  # rows of the step
-        return real(*args)
+        return one(*args)
 
-    monkeypatch.setattr(cpu_decode.cpu_decode_layer, "decode_layer", counting)
+    def counting_stack(x, layers, step):
+        calls.extend([x.shape[0]] * len(layers))
+        return stack(x, layers, step)
+
+    monkeypatch.setattr(cpu_decode.cpu_decode_layer, "decode_layer", counting_one)
+    monkeypatch.setattr(cpu_decode.cpu_decode_layer, "decode_layers", counting_stack)
     return calls
 
 

@@ -208,7 +208,11 @@ class CausalLM(nn.Module):
         local = self.rotary_local(positions, x.dtype) if self.rotary_local is not None else rope
         residual = None
         fused = FusedDecodeStep.start(self, x, meta, kv_caches)  # CPU decode: a layer a call
-        for i, layer in enumerate(self.layers):
+        # every layer fused under one rotary table: one loop with no per-layer Python
+        stack = None if fused is None or self.rotary_local is not None else fused.run_all(self, x, rope, kv_caches)
+        if stack is not None:
+            x, residual = stack
+        for i, layer in enumerate(self.layers if stack is None else ()):
             layer_rope = local if i in self.local_layers else rope
             cache = None if kv_caches is None else kv_caches[i]
             out = None if fused is None else fused.run(layer, x, residual, layer_rope, cache)
