@@ -1,15 +1,17 @@
-"""The CPU decode step with one numba call per decoder layer (kernels/cpu_decode_layer.py).
+"""The CPU decode step with its decoder layers in one loop over one compiled layer
+(kernels/cpu_decode_layer.py).
 
-CausalLM's layer loop asks `FusedDecodeStep.start` once per step; for an all-decode step of at
-most MAX_ROWS fp32 rows on CPU with the "cpu" attention backend it returns a step whose `run`
-takes a layer through one compiled call, or None (then every layer runs eagerly). A layer runs
-fused when it is a plain Llama-shaped DecoderLayer (no q/k norms, full rotary, SiLU MLP without a
-gate/up bias) whose four projections are single-device Linear (fp32 or bf16 weights) or
-QuantLinear (int8 / int4) modules; anything else (Gemma's sandwich norms, tensor-parallel
-layers, GeGLU) runs eagerly in the same step, since both keep the (MLP branch, residual)
-convention. The per-layer arguments (numpy views of weights, norms, biases, kernel choice) are
-built once and rebuilt when a weight's storage moves. STRATA_FUSED_DECODE=0 turns it off (the
-eager per-kernel path, e.g. to compare).
+CausalLM's forward asks `FusedDecodeStep.start` once per step; for an all-decode step of at most
+MAX_ROWS fp32 rows on CPU with the "cpu" attention backend and one rotary table, it returns a
+step whose `run` takes every layer through `cpu_decode_layer.decode_layers`, or None. The layers
+run fused only when every one is a plain Llama-shaped DecoderLayer (no q/k norms, full rotary,
+SiLU MLP without a gate/up bias) whose four projections are single-device Linear (fp32 or bf16
+weights) or QuantLinear (int8 / int4) modules; otherwise (Gemma 3, Qwen3's q/k norms, Phi-4-mini's
+partial rotary, tensor-parallel shards, GeGLU) every layer runs eagerly. The layers' arguments
+(numpy views of weights, norms, biases, KV caches, kernel choice) are built once per model and row
+count, and rebuilt when a parameter or buffer is replaced or moved or the caches change: checked
+once per step, not per layer. STRATA_FUSED_DECODE=0 turns it off (the eager per-kernel path,
+e.g. to compare).
 """
 
 from __future__ import annotations
@@ -93,7 +95,7 @@ def _layer_args(layer, rows: int) -> tuple | None:
 
 
 class FusedDecodeStep:
-    """One decode step's shared buffers and arguments; `run` takes one layer through it."""
+    """One decode step's shared buffers and arguments; `run` takes every layer through them."""
 
     def __init__(self, model, rows: int, meta: AttentionMetadata) -> None:
         cfg = model.config
@@ -103,7 +105,6 @@ class FusedDecodeStep:
         q3, attn3 = np.empty((rows, heads, d), e), np.empty((rows, heads, d), e)
         self.out, self.res_out = np.empty((rows, hidden), e), np.empty((rows, hidden), e)
         self.out_t, self.res_t = torch.from_numpy(self.out), torch.from_numpy(self.res_out)
-        self.ropes: dict[int, tuple] = {}  # rotary rows by table (Gemma-style local tables differ)
         self.common = (
             np.ascontiguousarray(meta.slot_mapping.numpy()), meta.decode_block_tables.numpy(),
             meta.decode_context_lens.numpy(), cpu_gemv.sync_threads(),
@@ -113,15 +114,6 @@ class FusedDecodeStep:
         )
         self.rows = rows
 
-    def _rope_arrays(self, rope) -> tuple:
-        key = id(rope[0])
-        arrays = self.ropes.get(key)
-        if arrays is None:
-            cos, sin = rope  # [rows, 1, d] rows of the rotary table: contiguous (index_select)
-            arrays = tuple(np.ascontiguousarray(t.numpy().reshape(self.rows, -1)) for t in (cos, sin))
-            self.ropes[key] = arrays
-        return arrays
-
     @staticmethod
     def start(model, x: torch.Tensor, meta: AttentionMetadata | None, kv_caches) -> FusedDecodeStep | None:
         if not (
@@ -130,6 +122,7 @@ class FusedDecodeStep:
             and meta.backend.name == "cpu" and cpu_decode_layer.available() and enabled()
             and x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.dtype is torch.float32 and x.is_cpu
             and not (torch.is_grad_enabled() and x.requires_grad)
+            and getattr(model, "rotary_local", None) is None  # one rotary table for every layer
         ):
             return None
         cache = kv_caches[0]
@@ -137,10 +130,20 @@ class FusedDecodeStep:
             return None
         return FusedDecodeStep(model, x.shape[0], meta)
 
-    def final_norm(self, norm, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor | None:
-        """norm(x + residual) on the step's buffers when the last layer ran fused (else None)."""
-        if x is not self.out_t or residual is not self.res_t:
+    def run(self, model, x: torch.Tensor, rope, kv_caches) -> tuple | None:
+        """(MLP branch, residual) after every layer, or None when some layer cannot run fused
+        (then every layer runs eagerly)."""
+        layers = _cached_stack(model, kv_caches, self.rows)
+        if layers is None:
             return None
+        # [rows, 1, d] rows of the rotary table (contiguous: index_select) as [rows, d]
+        cos, sin = (np.ascontiguousarray(t.numpy().reshape(self.rows, -1)) for t in rope)
+        cpu_decode_layer.decode_layers(x.contiguous().numpy(), layers, (cos, sin) + self.common)
+        return self.out_t, self.res_t
+
+    def final_norm(self, norm) -> torch.Tensor | None:
+        """norm(MLP branch + residual) of the last layer on the step's buffers, or None when the
+        norm is not a plain RMSNorm."""
         args = norm.__dict__.get("_fused_decode_norm")
         if args is None or args[0] is not norm.weight or args[1] != norm.weight.data_ptr():
             args = norm.__dict__["_fused_decode_norm"] = (norm.weight, norm.weight.data_ptr(), _norm_args(norm))
@@ -150,51 +153,12 @@ class FusedDecodeStep:
         cpu_decode_layer.final_norm(self.out, self.res_out, *args[2], hidden)
         return torch.from_numpy(hidden)
 
-    def run_all(self, model, x: torch.Tensor, rope, kv_caches) -> tuple | None:
-        """(MLP branch, residual) after every layer in one loop over the compiled layer, or None
-        when some layer cannot run fused (then `run` takes them one by one)."""
-        layers = _cached_stack(model, kv_caches, self.rows)
-        if layers is None:
-            return None
-        cos, sin = self._rope_arrays(rope)
-        cpu_decode_layer.decode_layers(x.contiguous().numpy(), layers, (cos, sin) + self.common)
-        return self.out_t, self.res_t
-
-    def run(self, layer, x: torch.Tensor, residual: torch.Tensor | None, rope, kv_cache: torch.Tensor):
-        """(MLP branch, residual) of `layer`, or None when this layer must run eagerly."""
-        own = _cached_args(layer, self.rows)
-        if own is None or not kv_cache.is_contiguous() or kv_cache.dtype is not torch.float32:
-            return None
-        cos, sin = self._rope_arrays(rope)
-        # the previous fused layer's outputs are this step's buffers: no Tensor.numpy() (3 aten ops)
-        xn = self.out if x is self.out_t else x.contiguous().numpy()
-        has_res = residual is not None
-        rn = (self.res_out if residual is self.res_t else residual.contiguous().numpy()) if has_res else xn
-        step = (cos, sin) + self.common
-        kv = layer.__dict__.get("_fused_decode_kv")
-        if kv is None or kv[0] is not kv_cache:  # the engine's per-layer cache tensor: views once
-            kv = layer.__dict__["_fused_decode_kv"] = (kv_cache, kv_cache[0].numpy(), kv_cache[1].numpy())
-        cpu_decode_layer.decode_layer(xn, rn, has_res, kv[1], kv[2], own, step)
-        return self.out_t, self.res_t
-
 
 def _norm_args(norm) -> tuple | None:
     """(weight, eps) of a plain fp32 RMSNorm (not Gemma's 1 + w), else None."""
     if type(norm) is not RMSNorm or norm.weight.dtype is not torch.float32 or type(norm.eps) is not float:
         return None
     return norm.weight.detach().numpy(), np.float32(norm.eps)
-
-
-def _cached_args(layer, rows: int) -> tuple | None:
-    """_layer_args, cached on the layer per row count until a parameter or buffer moves."""
-    cache = layer.__dict__.get("_fused_decode_args")
-    if cache is None or not _unchanged(cache[0]):
-        cache = (_tensors(layer), {})
-        layer.__dict__["_fused_decode_args"] = cache
-    by_rows = cache[1]
-    if rows not in by_rows:
-        by_rows[rows] = _layer_args(layer, rows)
-    return by_rows[rows]
 
 
 def _kv_views(kv_cache: torch.Tensor) -> tuple | None:
@@ -205,10 +169,10 @@ def _kv_views(kv_cache: torch.Tensor) -> tuple | None:
 
 
 def _cached_stack(model, kv_caches, rows: int) -> tuple | None:
-    """((own, K, V) of every layer) for a step of `rows`, or None when some layer must run on its
-    own; cached on the model and checked once per step (every parameter and buffer of every layer
-    in place, the same cache tensors): ~0.15 ms a smol-135m step, where `run`'s per-layer checks,
-    argument tuples and calls cost several times that."""
+    """((own, K, V) of every layer) for a step of `rows`, or None when some layer cannot run fused;
+    cached on the model and checked once per step (every parameter and buffer of every layer in
+    place, the same cache tensors): ~0.15 ms a smol-135m step, where checking, building argument
+    tuples and calling layer by layer cost several times that."""
     cache = model.__dict__.get("_fused_decode_stack")
     if (cache is None or len(cache[1]) != len(kv_caches) or not all(a is b for a, b in zip(cache[1], kv_caches))
             or not _unchanged(cache[0])):

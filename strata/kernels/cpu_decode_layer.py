@@ -131,14 +131,6 @@ def uses_vnni(fmt: str, n_in: int, rows: int, group: int) -> bool:
 
 
 @kernel("decode_layer")
-def decode_layer(x, residual, has_residual: bool, k_cache, v_cache, own: tuple, step: tuple) -> None:
-    """One layer over numpy arrays: x, residual [rows, hidden] in; the MLP branch lands in the
-    step's `out` buffer and the residual stream in `res_out` (graph/cpu_decode.py builds `own`
-    once per layer and `step` once per step, in _layer's argument order)."""
-    _layer(x, residual, has_residual, k_cache, v_cache, *own, *step)
-
-
-@kernel("decode_layer")
 def decode_layers(x, layers, step: tuple) -> None:
     """Every layer of the step in turn, `layers` holding each layer's (own, k_cache, v_cache):
     layer 0 reads x (the embedding), each later one the step's `out` / `res_out`, where the last

@@ -63,7 +63,7 @@ def _kernel_entry_points() -> list[tuple[object, str, str]]:
         (cpu_quant, "gemv", "numba::quant_gemv"),
         (cpu_quant, "gemv_swiglu", "numba::quant_gemv_swiglu"),
         (cpu_quant, "matmul", "numba::quant_matmul"),
-        (cpu_decode_layer, "decode_layer", "numba::decode_layer"),
+        (cpu_decode_layer, "decode_layers", "numba::decode_layer"),
     ]
 
 

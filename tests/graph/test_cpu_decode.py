@@ -19,21 +19,15 @@ EAGER = {"qwen3": "q/k norms", "gemma3": "sandwich norms, GeGLU", "phi4mini": "p
 
 @pytest.fixture
 def count_fused(monkeypatch):
-    """Rows of every fused layer run: one entry per layer, whether the step ran its layers one
-    call each (decode_layer) or all in one loop (decode_layers)."""
+    """Rows of every fused layer run: one entry per layer of each fused step."""
     calls = []
-    one, stack = cpu_decode_layer.decode_layer, cpu_decode_layer.decode_layers
+    real = cpu_decode_layer.decode_layers
 
-    def counting_one(*args):
-        calls.append(args[0].shape[0])  # rows of the step
-        return one(*args)
+    def counting(x, layers, step):
+        calls.extend([x.shape[0]] * len(layers))  # rows of the step, once per layer
+        return real(x, layers, step)
 
-    def counting_stack(x, layers, step):
-        calls.extend([x.shape[0]] * len(layers))
-        return stack(x, layers, step)
-
-    monkeypatch.setattr(cpu_decode.cpu_decode_layer, "decode_layer", counting_one)
-    monkeypatch.setattr(cpu_decode.cpu_decode_layer, "decode_layers", counting_stack)
+    monkeypatch.setattr(cpu_decode.cpu_decode_layer, "decode_layers", counting)
     return calls
 
 

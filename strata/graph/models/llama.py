@@ -207,20 +207,18 @@ class CausalLM(nn.Module):
         rope = self.rotary(positions, x.dtype)
         local = self.rotary_local(positions, x.dtype) if self.rotary_local is not None else rope
         residual = None
-        fused = FusedDecodeStep.start(self, x, meta, kv_caches)  # CPU decode: a layer a call
-        # every layer fused under one rotary table: one loop with no per-layer Python
-        stack = None if fused is None or self.rotary_local is not None else fused.run_all(self, x, rope, kv_caches)
-        if stack is not None:
-            x, residual = stack
-        for i, layer in enumerate(self.layers if stack is None else ()):
-            layer_rope = local if i in self.local_layers else rope
-            cache = None if kv_caches is None else kv_caches[i]
-            out = None if fused is None else fused.run(layer, x, residual, layer_rope, cache)
-            x, residual = out if out is not None else layer(x, residual, layer_rope, meta, cache)
-        if fused is not None:  # the final norm on the step's buffers too, when the last layer ran fused
-            out = fused.final_norm(self.norm, x, residual)
-            if out is not None:
-                return out
+        fused = FusedDecodeStep.start(self, x, meta, kv_caches)  # CPU decode: the layers in one loop
+        out = None if fused is None else fused.run(self, x, rope, kv_caches)
+        if out is not None:
+            hidden = fused.final_norm(self.norm)  # on the step's buffers too
+            if hidden is not None:
+                return hidden
+            x, residual = out
+        else:
+            for i, layer in enumerate(self.layers):
+                layer_rope = local if i in self.local_layers else rope
+                cache = None if kv_caches is None else kv_caches[i]
+                x, residual = layer(x, residual, layer_rope, meta, cache)
         x, _ = self.norm(x, residual)
         return x
 
