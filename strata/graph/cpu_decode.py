@@ -122,7 +122,7 @@ class FusedDecodeStep:
             and meta.backend.name == "cpu" and cpu_decode_layer.available() and enabled()
             and x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.dtype is torch.float32 and x.is_cpu
             and not (torch.is_grad_enabled() and x.requires_grad)
-            and getattr(model, "rotary_local", None) is None  # one rotary table for every layer
+            and model.rotary_local is None  # one rotary table for every layer
         ):
             return None
         cache = kv_caches[0]
