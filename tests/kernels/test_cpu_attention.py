@@ -18,6 +18,10 @@ pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="numba not
         (14, 2, 64, 8, [3, 64]),  # qwen-0.5b's ratio
         (5, 1, 32, 4, [17]),  # MQA, odd head count
         (6, 2, 128, 32, [33, 1, 65]),
+        (9, 3, 64, 16, [700]),  # one long sequence: its keys split across threads, parts merged
+        (14, 2, 64, 16, [129, 300]),  # two sequences, parts of unequal length
+        (4, 2, 24, 8, [150]),  # head_dim not a multiple of 16: the scalar row loops
+        (8, 8, 80, 16, [300, 2]),
     ],
 )
 def test_paged_decode_matches_torch(heads, kv_heads, dim, block, lens):
@@ -33,3 +37,29 @@ def test_paged_decode_matches_torch(heads, kv_heads, dim, block, lens):
     expected = _decode(q, cache, ref_meta, scale)
     got = _decode(q, cache, cpu_meta, scale)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 8])
+@pytest.mark.parametrize("window", [0, 7, 100])
+def test_paged_decode_any_thread_count_and_window(threads, window):
+    """The key split depends on the thread count; every split (and none) gives the same answer,
+    with and without a sliding window (a window shorter than a part, and one spanning parts)."""
+    import numpy as np
+
+    g = torch.Generator().manual_seed(threads * 1000 + window)
+    lens, block, kv_heads, heads, dim = [400], 16, 3, 9, 64
+    cache, table_t, lens_t = paged_cache(g, lens, block, kv_heads, dim, torch.float32)
+    q = torch.randn(1, heads, dim, generator=g)
+    n = lens[0]
+    first = 0 if window == 0 else n - window
+    slots = table_t[0, torch.arange(first, n) // block] * block + torch.arange(first, n) % block
+    k = cache[0].reshape(-1, kv_heads, dim)[slots].repeat_interleave(heads // kv_heads, dim=1)
+    v = cache[1].reshape(-1, kv_heads, dim)[slots].repeat_interleave(heads // kv_heads, dim=1)
+    probs = torch.softmax(torch.einsum("hd,thd->ht", q[0], k) * dim**-0.5, dim=-1)
+    expected = torch.einsum("ht,thd->hd", probs, v)
+    out = np.empty((1, heads, dim), np.float32)
+    cpu_attention._paged_decode(
+        q.numpy(), cache[0].numpy(), cache[1].numpy(), table_t.numpy(), lens_t.numpy(),
+        np.float32(dim**-0.5), np.int64(window), out, threads,
+    )
+    torch.testing.assert_close(torch.from_numpy(out[0]), expected, rtol=1e-5, atol=1e-5)
