@@ -16,6 +16,7 @@ e.g. to compare).
 
 from __future__ import annotations
 
+import operator
 import os
 
 import numpy as np
@@ -58,15 +59,21 @@ def _projection(m) -> tuple[str, np.ndarray, np.ndarray, np.ndarray, int] | None
     return None
 
 
-def _tensors(layer) -> tuple:
-    """(owning dict, name, tensor, storage address) of every parameter and buffer of `layer`."""
-    return tuple((d, name, t, t.data_ptr()) for m in layer.modules() for d in (m._parameters, m._buffers)
-                 for name, t in d.items() if t is not None)
+class _Snapshot:
+    """Every parameter and buffer of some modules, as (owning dict, name, tensor, storage address),
+    kept column-wise so `unchanged` runs its comparisons in C (map over the columns): ~3x faster
+    than a Python loop over the rows, and it runs once per decode step over ~200-400 tensors."""
 
+    def __init__(self, modules) -> None:
+        rows = [(d, name, t) for m in modules for d in (m._parameters, m._buffers)
+                for name, t in d.items() if t is not None]
+        self.dicts, self.names, self.tensors = (tuple(col) for col in zip(*rows)) if rows else ((), (), ())
+        self.ptrs = list(map(torch.Tensor.data_ptr, self.tensors))
 
-def _unchanged(tensors: tuple) -> bool:
-    """No parameter or buffer was replaced or given new storage (`.data = ...`) since `_tensors`."""
-    return all(d.get(name) is t and t.data_ptr() == ptr for d, name, t, ptr in tensors)
+    def unchanged(self) -> bool:
+        """No parameter or buffer was replaced or given new storage (`.data = ...`) since taken."""
+        return (all(map(operator.is_, map(dict.get, self.dicts, self.names), self.tensors))
+                and list(map(torch.Tensor.data_ptr, self.tensors)) == self.ptrs)
 
 
 def _layer_args(layer, rows: int) -> tuple | None:
@@ -175,9 +182,8 @@ def _cached_stack(model, kv_caches, rows: int) -> tuple | None:
     tuples and calling layer by layer cost several times that."""
     cache = model.__dict__.get("_fused_decode_stack")
     if (cache is None or len(cache[1]) != len(kv_caches) or not all(a is b for a, b in zip(cache[1], kv_caches))
-            or not _unchanged(cache[0])):
-        tensors = tuple(t for layer in model.layers for t in _tensors(layer))
-        cache = (tensors, tuple(kv_caches), {})
+            or not cache[0].unchanged()):
+        cache = (_Snapshot(m for layer in model.layers for m in layer.modules()), tuple(kv_caches), {})
         model.__dict__["_fused_decode_stack"] = cache
     by_rows = cache[2]
     if rows not in by_rows:

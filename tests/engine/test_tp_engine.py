@@ -25,11 +25,17 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=
 
 @pytest.fixture
 def no_leftovers():
+    """No process this test started outlives it (ones an earlier test left are not this test's)."""
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+
+    def started_here():
+        return [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+
     yield
     deadline = time.monotonic() + 15
-    while psutil.Process().children(recursive=True) and time.monotonic() < deadline:
+    while started_here() and time.monotonic() < deadline:
         time.sleep(0.1)
-    left = psutil.Process().children(recursive=True)
+    left = started_here()
     for p in left:
         p.kill()
     assert not left, f"processes left behind: {left}"
