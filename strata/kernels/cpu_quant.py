@@ -274,6 +274,36 @@ if numba is not None:
             for r in range(t * per, min(n_out, (t + 1) * per)):
                 i4_row(w[r], s[r], out[r], group // 2)
 
+    @njit(cache=True)
+    def _int8_rows(w, s, ids, out):  # pragma: no cover - compiled
+        """out[i] = rows ids[i] of an int8 weight, dequantised as quant_formats.dequantize_int8_ref
+        does (q * scale in fp32); False (nothing written past that row) for an id out of range."""
+        for i in range(ids.shape[0]):
+            r = ids[i]
+            if r < 0 or r >= w.shape[0]:
+                return False
+            sc = s[r]
+            for c in range(w.shape[1]):
+                out[i, c] = np.float32(w[r, c]) * sc
+        return True
+
+    @njit(cache=True)
+    def _int4_rows(w, s, ids, out, group):  # pragma: no cover - compiled
+        """int4 rows as quant_formats.dequantize_int4_ref: (q - 8) * scale, each group's low
+        nibbles its first half of columns, high nibbles its second."""
+        half = group // 2
+        for i in range(ids.shape[0]):
+            r = ids[i]
+            if r < 0 or r >= w.shape[0]:
+                return False
+            for g in range(s.shape[1]):
+                sc = s[r, g]
+                for k in range(half):
+                    b = w[r, g * half + k]
+                    out[i, g * group + k] = (np.float32(b & 15) - np.float32(8.0)) * sc
+                    out[i, g * group + half + k] = (np.float32(b >> 4) - np.float32(8.0)) * sc
+        return True
+
 
 # --- entry points -------------------------------------------------------------------------------
 
@@ -404,4 +434,20 @@ def gemv_swiglu(
         _int4_swiglu_vnni(w, s, x.numpy(), out, group_size, threads)
     else:
         _int4_swiglu(w, s, x.numpy(), out, group_size, threads)
+    return torch.from_numpy(out)
+
+
+@kernel("quant_embedding")
+def embedding_rows(method: str, qweight, scale, ids: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The fp32 rows `ids` (any shape, flattened) of a quantised [vocab, hidden] weight: a tied
+    embedding's lookup in one call, equal to the reference's index_select + dequantise (~5-10 torch
+    ops a decode step, each paying a cold cache after the weights streamed through it)."""
+    w, s = _np(qweight), _np(scale)
+    flat = ids.reshape(-1).to(torch.int64).numpy()
+    n_in = w.shape[1] * (2 if method == "int4" else 1)
+    out = np.empty((flat.shape[0], n_in), np.float32)
+    ok = _int8_rows(w, s, flat, out) if method == "int8" else _int4_rows(w, s, flat, out, group_size)
+    if not ok:
+        raise IndexError(f"token id out of range for an embedding of {w.shape[0]} rows: "
+                         f"{flat.min()}..{flat.max()}")
     return torch.from_numpy(out)

@@ -188,3 +188,28 @@ def test_bf16_model_runs_through_the_torch_twin(tiny_models):
     out = _greedy(llm)
     assert all(len(o) == 8 for o in out)
     assert "(int8)" in llm.engine.plan.summary()
+
+
+@pytest.mark.parametrize("method, group", [("int8", 0), ("int4", 32), ("int4", 64), ("int4", 128)])
+def test_quantised_embedding_lookup_equals_the_reference(method, group):
+    """The numba lookup (one call) returns exactly the reference's index_select + dequantise, for
+    any id shape, and refuses an id out of range as the reference does."""
+    from strata.kernels import cpu_quant, quant_formats
+
+    if not cpu_quant.available():
+        pytest.skip("numba not installed")
+    g = torch.Generator().manual_seed(group)
+    w = torch.randn(50, 256, generator=g)
+    if method == "int8":
+        q, s = quant_formats.quantize_int8(w)
+        ref = quant_formats.dequantize_int8_ref
+    else:
+        q, s = quant_formats.quantize_int4(w, group)
+        ref = quant_formats.dequantize_int4_ref
+    for ids in (torch.tensor([7]), torch.tensor([[0, 49, 7], [7, 3, 3]]), torch.arange(50)):
+        got = cpu_quant.embedding_rows(method, q, s, ids, group)
+        expected = ref(q.index_select(0, ids.reshape(-1)), s.index_select(0, ids.reshape(-1)))
+        assert torch.equal(got, expected), ids
+    for bad in (torch.tensor([50]), torch.tensor([3, -1])):
+        with pytest.raises(IndexError):
+            cpu_quant.embedding_rows(method, q, s, bad, group)
