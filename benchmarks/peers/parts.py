@@ -18,7 +18,7 @@ from .figures import (
 )
 from .monitor import loadavg
 from .runner import Ctx, Server, free_port, read_json
-from .settings import GGUF_TYPES, RATE_FACTORS, STRATA_REPEATS, rng_text
+from .settings import RATE_FACTORS, STRATA_REPEATS, rng_text
 
 
 def measure(ctx: Ctx, what: str, fn: Any) -> Any:
@@ -50,38 +50,51 @@ def measure(ctx: Ctx, what: str, fn: Any) -> Any:
     return attempts[best][1]
 
 
+# Strata's weight format, its `strata bench latency` flags, and the GGUF types compared with it.
+# bf16: the same rounding as the bf16 GGUF (the random checkpoints are fp32); int4 groups of 64
+# with fp32 scales = 4.5 bits a weight, as q4_0's blocks of 32 with fp16 scales.
+LATENCY_PAIRS = (
+    ("fp32", ["--compare", "hf"], ("f32",)),
+    ("bf16", ["--quantization", "bf16"], ("bf16", "f16")),
+    ("int8", ["--quantization", "int8"], ("q8_0",)),
+    ("int4", ["--quantization", "int4", "--quantization-group-size", "64"], ("q4_0",)),
+)
+
+
+def bracketed(before: dict | None, after: dict | None, key: str) -> tuple[float | None, list[float]]:
+    """(mean, [values]) of one llama-bench figure measured before and after Strata's run (either
+    may be missing)."""
+    values = [r[key] for r in (before, after) if r and r.get(key) is not None]
+    return (sum(values) / len(values) if values else None), values
+
+
 def part_latency(ctx: Ctx, shape: str, ggufs: dict[str, Path]) -> dict:
+    """Per precision: llama-bench on its GGUF(s), Strata's run, llama-bench again; llama.cpp's
+    figure is the mean of the two. The dev VM's DRAM bandwidth drifts by up to 2x within minutes,
+    so measuring each engine's rows minutes apart made the ratios move +-25% between runs;
+    bracketing puts both engines under the same drift (to first order)."""
     wl, args = ctx.wl, ctx.args
-    res: dict[str, Any] = {"loadavg_before": loadavg()}
+    res: dict[str, Any] = {"loadavg_before": loadavg(), "llama_bracketed": True}
     out_dir = ctx.run_dir / "latency"
     out_dir.mkdir(exist_ok=True)
-    files = [ggufs[t] for t in GGUF_TYPES]
-    margs = [a for f in files for a in ("-m", f)]
     common = ["-t", str(args.threads), "-r", str(wl.bench_reps), "-o", "json"]
+    all_rows: list[dict] = []
 
-    def llama(attempt: int) -> tuple[list[dict], float | None]:
-        pp = ctx.run("latency", f"llama-bench-pp-{shape}",
-                     [ctx.bin_dir / "llama-bench", *margs, "-p", str(wl.lat_in), "-n", "0", *common],
-                     capture=True, timeout=3600)
-        e_pp = ctx.last
-        tg = ctx.run("latency", f"llama-bench-tg-{shape}",
-                     [ctx.bin_dir / "llama-bench", *margs, "-p", "0", "-n", str(wl.lat_out), "-d", str(wl.lat_in),
-                      *common], capture=True, timeout=3600)
-        return parse_llama_bench(pp) + parse_llama_bench(tg), others_cpu(e_pp, ctx.last)
+    def llama(types: tuple[str, ...], when: str) -> tuple[list[dict], float | None]:
+        margs = [a for t in types for a in ("-m", ggufs[t])]
+        tag = "-".join(types)
 
-    rows, busy = measure(ctx, f"{shape} llama-bench", llama)
-    (out_dir / f"llama-bench-{shape}.json").write_text(json.dumps(rows, indent=2) + "\n")
-    for t in GGUF_TYPES:
-        name = ggufs[t].name
-        p = pick_bench(rows, name, wl.lat_in, 0, 0)
-        g = pick_bench(rows, name, 0, wl.lat_out, wl.lat_in)
-        res[f"llama_{t}"] = {"prefill_tps": p and p["avg_ts"], "decode_tps": g and g["avg_ts"],
-                             "prefill_stddev": p and p["stddev_ts"], "decode_stddev": g and g["stddev_ts"],
-                             "model_type": (p or g or {}).get("model_type"), "others_cpu": busy}
-    if rows:
-        ctx.results["versions"]["llama_cpp"].setdefault("build_number", rows[0].get("build_number"))
-        ctx.results["versions"]["llama_cpp"].setdefault("build_commit", rows[0].get("build_commit"))
-        ctx.results["machine"].setdefault("llama_cpu_info", rows[0].get("cpu_info"))
+        def run(attempt: int) -> tuple[list[dict], float | None]:
+            pp = ctx.run("latency", f"llama-bench-pp-{shape}-{tag}-{when}",
+                         [ctx.bin_dir / "llama-bench", *margs, "-p", str(wl.lat_in), "-n", "0", *common],
+                         capture=True, timeout=3600)
+            e_pp = ctx.last
+            tg = ctx.run("latency", f"llama-bench-tg-{shape}-{tag}-{when}",
+                         [ctx.bin_dir / "llama-bench", *margs, "-p", "0", "-n", str(wl.lat_out), "-d", str(wl.lat_in),
+                          *common], capture=True, timeout=3600)
+            return parse_llama_bench(pp) + parse_llama_bench(tg), others_cpu(e_pp, ctx.last)
+
+        return measure(ctx, f"{shape} llama-bench {tag} ({when} Strata)", run)
 
     base = [*ctx.strata, "bench", "latency", "--random-model", shape, "--dtype", "float32",
             "--input-len", str(wl.lat_in), "--output-len", str(wl.lat_out), "--threads", str(args.threads), "--repeats", str(STRATA_REPEATS)]
@@ -93,20 +106,35 @@ def part_latency(ctx: Ctx, shape: str, ggufs: dict[str, Path]) -> dict:
             return read_json(f), others_cpu(ctx.last)
         return measure(ctx, f"{shape} strata bench latency {tag}", run)
 
-    d, busy = strata(["--compare", "hf"], "fp32")
-    for key, src in (("strata_fp32", "strata"), ("hf_fp32", "hf")):
-        if d.get(src):
-            res[key] = {"prefill_tps": d[src]["prefill_tokens_per_s"], "decode_tps": d[src]["decode_tokens_per_s"],
-                        "mbu": d[src].get("mbu"), "achieved_gbs": d[src].get("achieved_gbs"), "others_cpu": busy}
-    res["mem_bandwidth_gbs_fp32_run"] = d.get("mem_bandwidth_gbs")
-    # bf16: the same rounding as the bf16 GGUF (the random checkpoints are fp32); int4 groups of 64
-    # with fp32 scales = 4.5 bits a weight, as q4_0's blocks of 32 with fp16 scales
-    for tag, extra in (("bf16", ["--quantization", "bf16"]), ("int8", ["--quantization", "int8"]),
-                       ("int4", ["--quantization", "int4", "--quantization-group-size", "64"])):
+    for tag, extra, types in LATENCY_PAIRS:
+        rows_before, busy_before = llama(types, "before")
         d, busy = strata(extra, tag)
-        res[f"strata_{tag}"] = {"prefill_tps": d["strata"]["prefill_tokens_per_s"],
-                                "decode_tps": d["strata"]["decode_tokens_per_s"], "mbu": d["strata"].get("mbu"),
-                                "others_cpu": busy}
+        rows_after, busy_after = llama(types, "after")
+        all_rows += rows_before + rows_after
+        for t in types:
+            name = ggufs[t].name
+            entry: dict[str, Any] = {"others_cpu": max((b for b in (busy_before, busy_after) if b is not None), default=None)}
+            for phase, p, n, depth in (("prefill", wl.lat_in, 0, 0), ("decode", 0, wl.lat_out, wl.lat_in)):
+                before, after = pick_bench(rows_before, name, p, n, depth), pick_bench(rows_after, name, p, n, depth)
+                entry[f"{phase}_tps"], entry[f"{phase}_tps_runs"] = bracketed(before, after, "avg_ts")
+                entry[f"{phase}_stddev"] = bracketed(before, after, "stddev_ts")[0]
+                entry.setdefault("model_type", (before or after or {}).get("model_type"))
+            res[f"llama_{t}"] = entry
+        if tag == "fp32":
+            for key, src in (("strata_fp32", "strata"), ("hf_fp32", "hf")):
+                if d.get(src):
+                    res[key] = {"prefill_tps": d[src]["prefill_tokens_per_s"], "decode_tps": d[src]["decode_tokens_per_s"],
+                                "mbu": d[src].get("mbu"), "achieved_gbs": d[src].get("achieved_gbs"), "others_cpu": busy}
+            res["mem_bandwidth_gbs_fp32_run"] = d.get("mem_bandwidth_gbs")
+        else:
+            res[f"strata_{tag}"] = {"prefill_tps": d["strata"]["prefill_tokens_per_s"],
+                                    "decode_tps": d["strata"]["decode_tokens_per_s"], "mbu": d["strata"].get("mbu"),
+                                    "others_cpu": busy}
+    (out_dir / f"llama-bench-{shape}.json").write_text(json.dumps(all_rows, indent=2) + "\n")
+    if all_rows:
+        ctx.results["versions"]["llama_cpp"].setdefault("build_number", all_rows[0].get("build_number"))
+        ctx.results["versions"]["llama_cpp"].setdefault("build_commit", all_rows[0].get("build_commit"))
+        ctx.results["machine"].setdefault("llama_cpu_info", all_rows[0].get("cpu_info"))
     res["loadavg_after"] = loadavg()
     return res
 

@@ -116,11 +116,15 @@ def render_markdown(res: dict) -> str:
            if bi.get("build_s") else "") + ".\n")
 
     w("## Batch-1 latency\n")
+    bracketed = any(sr.get("llama_bracketed") for sr in (res.get("latency") or {}).values())
     w(f"One sequence, {wl.get('lat_in')}-token prompt of random token ids, {wl.get('lat_out')} output tokens, "
       "2 threads for every engine. Prefill tok/s = prompt tokens / time to the first token. Decode tok/s "
       "= decode steps / decode time with the prompt in the KV cache (llama-bench: "
       f"`-p 0 -n {wl.get('lat_out')} -d {wl.get('lat_in')}`, i.e. generation at depth {wl.get('lat_in')}; "
-      f"prefill is `-p {wl.get('lat_in')} -n 0`; mean of {wl.get('bench_reps')} repetitions). Strata and "
+      f"prefill is `-p {wl.get('lat_in')} -n 0`; mean of {wl.get('bench_reps')} repetitions"
+      + ("; run right before and right after Strata's run at the same precision, and the figure is the mean "
+         "of the two, so both engines see the same drift of the shared machine" if bracketed else "")
+      + "). Strata and "
       f"transformers are the median of {STRATA_REPEATS} timed runs after a warm-up (`strata bench latency --repeats {STRATA_REPEATS}`, transformers via "
       "`--compare hf`: one prefill forward, then a greedy loop over a DynamicCache). "
       "\"Strata ÷ this\" > 1 means Strata is faster.\n")

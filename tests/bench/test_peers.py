@@ -191,3 +191,13 @@ def test_merge_previous_keeps_skipped_parts(tmp_path: Path) -> None:
 ])
 def test_verify_crash_signal_decides_the_no_amx_rebuild(message, signal):
     assert _peers("build")._crash_signal(message) == signal
+
+
+def test_llama_latency_figure_is_the_mean_of_the_runs_bracketing_strata():
+    parts, settings = _peers("parts"), _peers("settings")
+    assert parts.bracketed({"avg_ts": 10.0}, {"avg_ts": 14.0}, "avg_ts") == (12.0, [10.0, 14.0])
+    assert parts.bracketed(None, {"avg_ts": 14.0}, "avg_ts") == (14.0, [14.0])  # one run failed
+    assert parts.bracketed({"avg_ts": None}, None, "avg_ts") == (None, [])
+    # every GGUF type the run prepares is bracketed around exactly one Strata format
+    paired = [t for _, _, types in parts.LATENCY_PAIRS for t in types]
+    assert sorted(paired) == sorted(settings.GGUF_TYPES)
