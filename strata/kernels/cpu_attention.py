@@ -32,7 +32,8 @@ if numba is not None:
 
     _LOG2E = np.float32(1.4426950408889634)
     _LN2 = np.float32(0.6931471805599453)
-    _SPLIT_MIN_KEYS = 64  # a sequence is split for threads only when each part keeps this many keys
+    _SPLIT_MIN_KEYS = 32  # a sequence is split only when each part keeps this many keys
+    _SPLIT_ITEMS = 8  # split until (sequences x parts) reaches this many items
 
     @njit(fastmath=True, cache=True, inline="always")
     def _exp_nonpositive(x, n, bits):  # pragma: no cover - compiled
@@ -71,21 +72,25 @@ if numba is not None:
                 acc[g, d] += p * vf[v_row, d]
 
     @njit(parallel=True, fastmath=True, cache=True)
-    def _paged_decode(q, k_cache, v_cache, tables, lens, scale, window, out, threads):  # pragma: no cover - compiled
+    def _paged_decode(q, k_cache, v_cache, tables, lens, scale, window, out):  # pragma: no cover - compiled
         batch, heads, dim = q.shape
         block, kv_heads = k_cache.shape[1], k_cache.shape[2]
         group = heads // kv_heads
         vector = dim % 16 == 0
         # Work items are (sequence, part of its keys), every KV head at once, so a thread reads
         # each cache block front to back (one head's rows alone are strided: measured ~2x slower
-        # from DRAM). With fewer sequences than ~2 per thread, long ones are cut into parts, each
-        # with its own max and sum, merged below (flash-decoding); else one thread idles.
+        # from DRAM). With few sequences, long ones are cut into parts, each with its own max and
+        # sum, merged below (flash-decoding); else batch-1 decode would run on one thread. The
+        # part count is a power of two (items split evenly over 1, 2, 4 or 8 threads) and never
+        # depends on the thread count, so the result's bits do not either (the adaptive thread
+        # tuner changes it mid-run: engine/adaptive_threads.py).
         longest = 0
         for b in range(batch):
             longest = max(longest, lens[b] if window <= 0 else min(lens[b], window))
-        parts = max(1, min(-(-2 * threads // batch), longest // _SPLIT_MIN_KEYS))
-        while parts > 1 and batch * parts < 4 * threads and batch * parts % threads:
-            parts -= 1  # few items: as many for every thread (3 parts on 2 threads take 2 rounds)
+        cap = max(1, min(_SPLIT_ITEMS // batch, longest // _SPLIT_MIN_KEYS))
+        parts = 1
+        while parts * 2 <= cap:
+            parts *= 2
         items = batch * parts
         part_max = np.empty((items, kv_heads, group), np.float32)
         part_sum = np.zeros((items, kv_heads, group), np.float32)
@@ -181,9 +186,9 @@ def paged_decode(
     `window`: attend only to each sequence's last `window` tokens (None: all)."""
     q = q.contiguous()
     out = torch.empty_like(q)
-    threads = cpu_gemv.sync_threads()
+    cpu_gemv.sync_threads()
     _paged_decode(
         q.numpy(), kv_cache[0].numpy(), kv_cache[1].numpy(), block_tables.numpy(),
-        context_lens.numpy(), np.float32(scale), np.int64(window or 0), out.numpy(), threads,
+        context_lens.numpy(), np.float32(scale), np.int64(window or 0), out.numpy(),
     )
     return out.view(q.shape[0], -1)

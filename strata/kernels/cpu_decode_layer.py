@@ -111,7 +111,7 @@ if numba is not None:
         if bqkv.shape[0]:
             _add_bias(qkv, bqkv)
         cpu_rope._rope_store(qkv, cos, sin, slots, k_cache, v_cache, heads, kv_heads, q3)
-        cpu_attention._paged_decode(q3, k_cache, v_cache, tables, lens, scale, window, attn3, threads)
+        cpu_attention._paged_decode(q3, k_cache, v_cache, tables, lens, scale, window, attn3)
         project(wo, so, attn, o, go, vo, threads)
         if bo.shape[0]:
             _add_bias(o, bo)

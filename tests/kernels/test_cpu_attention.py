@@ -39,27 +39,37 @@ def test_paged_decode_matches_torch(heads, kv_heads, dim, block, lens):
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("threads", [1, 2, 3, 8])
+@pytest.mark.parametrize("batch_lens", [[400], [37, 300], [5, 6, 7], [200] * 9])
 @pytest.mark.parametrize("window", [0, 7, 100])
-def test_paged_decode_any_thread_count_and_window(threads, window):
-    """The key split depends on the thread count; every split (and none) gives the same answer,
-    with and without a sliding window (a window shorter than a part, and one spanning parts)."""
+def test_paged_decode_splits_long_keys_and_its_bits_ignore_the_thread_count(batch_lens, window):
+    """Few long sequences split their keys into parts (merged as flash-decoding does); the answer
+    matches a plain softmax, with and without a sliding window, and is bit for bit the same on 1
+    thread as on every thread (the adaptive tuner changes the count mid-run)."""
+    import numba
     import numpy as np
 
-    g = torch.Generator().manual_seed(threads * 1000 + window)
-    lens, block, kv_heads, heads, dim = [400], 16, 3, 9, 64
-    cache, table_t, lens_t = paged_cache(g, lens, block, kv_heads, dim, torch.float32)
-    q = torch.randn(1, heads, dim, generator=g)
-    n = lens[0]
-    first = 0 if window == 0 else n - window
-    slots = table_t[0, torch.arange(first, n) // block] * block + torch.arange(first, n) % block
-    k = cache[0].reshape(-1, kv_heads, dim)[slots].repeat_interleave(heads // kv_heads, dim=1)
-    v = cache[1].reshape(-1, kv_heads, dim)[slots].repeat_interleave(heads // kv_heads, dim=1)
-    probs = torch.softmax(torch.einsum("hd,thd->ht", q[0], k) * dim**-0.5, dim=-1)
-    expected = torch.einsum("ht,thd->hd", probs, v)
-    out = np.empty((1, heads, dim), np.float32)
-    cpu_attention._paged_decode(
-        q.numpy(), cache[0].numpy(), cache[1].numpy(), table_t.numpy(), lens_t.numpy(),
-        np.float32(dim**-0.5), np.int64(window), out, threads,
-    )
-    torch.testing.assert_close(torch.from_numpy(out[0]), expected, rtol=1e-5, atol=1e-5)
+    g = torch.Generator().manual_seed(sum(batch_lens) + window)
+    block, kv_heads, heads, dim = 16, 3, 9, 64
+    cache, table_t, lens_t = paged_cache(g, batch_lens, block, kv_heads, dim, torch.float32)
+    q = torch.randn(len(batch_lens), heads, dim, generator=g)
+    outs = []
+    before = numba.get_num_threads()
+    try:
+        for threads in sorted({1, numba.config.NUMBA_NUM_THREADS}):
+            numba.set_num_threads(threads)
+            out = np.empty((len(batch_lens), heads, dim), np.float32)
+            cpu_attention._paged_decode(
+                q.numpy(), cache[0].numpy(), cache[1].numpy(), table_t.numpy(), lens_t.numpy(),
+                np.float32(dim**-0.5), np.int64(window), out,
+            )
+            outs.append(torch.from_numpy(out))
+    finally:
+        numba.set_num_threads(before)
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    for b, n in enumerate(batch_lens):
+        first = 0 if window == 0 else max(0, n - window)
+        slots = table_t[b, torch.arange(first, n) // block] * block + torch.arange(first, n) % block
+        k = cache[0].reshape(-1, kv_heads, dim)[slots].repeat_interleave(heads // kv_heads, dim=1)
+        v = cache[1].reshape(-1, kv_heads, dim)[slots].repeat_interleave(heads // kv_heads, dim=1)
+        probs = torch.softmax(torch.einsum("hd,thd->ht", q[b], k) * dim**-0.5, dim=-1)
+        torch.testing.assert_close(outs[0][b], torch.einsum("ht,thd->hd", probs, v), rtol=1e-5, atol=1e-5)
