@@ -2,8 +2,9 @@
 
 The torch paths gather every sequence's blocks into a padded copy and then run SDPA over it, so
 decode attention moves the KV cache three times; profiled on a 16-request batch, the gather and
-SDPA were 65% of step time. This kernel walks the block table instead: per (sequence, KV head),
-scores for the query heads of that group, a softmax, then the weighted sum of V. Its reference
+SDPA were 65% of step time. This kernel walks the block table instead: per (sequence, part of
+its keys), every KV head's scores for its group of query heads, a softmax, then the weighted sum
+of V; parts of one sequence are merged by their maxima and sums (flash-decoding). Its reference
 twin is the "torch" attention backend's decode (kernels/attention/torch_backend.py); tests compare
 the two. It is the "cpu" backend's decode (kernels/attention/cpu_backend.py).
 """
