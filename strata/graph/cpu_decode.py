@@ -61,8 +61,9 @@ def _projection(m) -> tuple[str, np.ndarray, np.ndarray, np.ndarray, int] | None
 
 class _Snapshot:
     """Every parameter and buffer of some modules, as (owning dict, name, tensor, storage address),
-    kept column-wise so `unchanged` runs its comparisons in C (map over the columns): ~3x faster
-    than a Python loop over the rows, and it runs once per decode step over ~200-400 tensors."""
+    kept column-wise so `unchanged` runs its comparisons in C (map over the columns). It runs once
+    per decode step over ~200-400 tensors: 54 vs 70 us for a Python loop over the rows (smol-135m
+    int8, warm caches; inside a step, after the weights streamed through the caches, ~3x that)."""
 
     def __init__(self, modules) -> None:
         rows = [(d, name, t) for m in modules for d in (m._parameters, m._buffers)
