@@ -72,6 +72,17 @@ if numba is not None:
             for d in range(acc.shape[1]):
                 acc[g, d] += p * vf[v_row, d]
 
+    @njit(cache=True, inline="always")
+    def _key_rows(table, start, stop, block, kv_heads, rows):  # pragma: no cover - compiled
+        """rows[t] = the flattened cache row of key start + t for KV head 0 (add the head), walking
+        the block table block by block: one lookup per block, not per key; K and V share it."""
+        pos = start
+        while pos < stop:
+            blk, off = table[pos // block], pos % block
+            for j in range(min(block - off, stop - pos)):
+                rows[pos - start + j] = (blk * block + off + j) * kv_heads
+            pos += min(block - off, stop - pos)
+
     @njit(parallel=True, fastmath=True, cache=True)
     def _paged_decode(q, k_cache, v_cache, tables, lens, scale, window, out):  # pragma: no cover - compiled
         batch, heads, dim = q.shape
@@ -105,19 +116,15 @@ if numba is not None:
             n = stop - start
             if n <= 0:
                 continue
+            rows = np.empty(n, np.int64)
+            _key_rows(tables[b], start, stop, block, kv_heads, rows)
             scores = np.empty((kv_heads, group, n), np.float32)
-            pos = start
-            while pos < stop:  # block by block: one table lookup per block, not per key
-                blk, off = tables[b, pos // block], pos % block
-                count = min(block - off, stop - pos)
-                for j in range(count):
-                    row = (blk * block + off + j) * kv_heads
-                    for kh in range(kv_heads):
-                        if vector:
-                            qk_dots(q, b * heads + kh * group, k_cache, row + kh, scores[kh], pos - start + j, scale)
-                        else:
-                            _qk_scalar(q, b * heads + kh * group, k_cache, row + kh, scores[kh], pos - start + j, scale)
-                pos += count
+            for t in range(n):
+                for kh in range(kv_heads):
+                    if vector:
+                        qk_dots(q, b * heads + kh * group, k_cache, rows[t] + kh, scores[kh], t, scale)
+                    else:
+                        _qk_scalar(q, b * heads + kh * group, k_cache, rows[t] + kh, scores[kh], t, scale)
             bits = np.empty(n, np.int32)
             for kh in range(kv_heads):
                 for g in range(group):
@@ -133,18 +140,12 @@ if numba is not None:
                         total += sc[t]
                     part_max[item, kh, g] = m
                     part_sum[item, kh, g] = total
-            pos = start
-            while pos < stop:
-                blk, off = tables[b, pos // block], pos % block
-                count = min(block - off, stop - pos)
-                for j in range(count):
-                    row = (blk * block + off + j) * kv_heads
-                    for kh in range(kv_heads):
-                        if vector:
-                            pv_accumulate(scores[kh], pos - start + j, v_cache, row + kh, part_acc[item, kh])
-                        else:
-                            _pv_scalar(scores[kh], pos - start + j, v_cache, row + kh, part_acc[item, kh])
-                pos += count
+            for t in range(n):
+                for kh in range(kv_heads):
+                    if vector:
+                        pv_accumulate(scores[kh], t, v_cache, rows[t] + kh, part_acc[item, kh])
+                    else:
+                        _pv_scalar(scores[kh], t, v_cache, rows[t] + kh, part_acc[item, kh])
         for bh in prange(batch * heads):  # merge each head's parts: rescale to the common max
             b, h = bh // heads, bh % heads
             kh, g = h // group, h % group
