@@ -29,7 +29,7 @@ def available() -> bool:
 
 
 if numba is not None:
-    from strata.kernels.cpu_simd import pv_accumulate, qk_dots
+    from strata.kernels.cpu_attention_rows import pv_accumulate, qk_dots
 
     _LOG2E = np.float32(1.4426950408889634)
     _LN2 = np.float32(0.6931471805599453)
