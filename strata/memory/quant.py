@@ -124,7 +124,7 @@ class QuantEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         head = self.head[0]
-        if self.dtype is torch.float32 and cpu_quant.usable(head.scale, head.qweight) and not ids.is_cuda:
+        if self.dtype is torch.float32 and cpu_quant.usable(head.scale, head.qweight):
             rows = cpu_quant.embedding_rows(head.method, head.qweight, head.scale, ids, head.group_size)
             return rows.view(*ids.shape, head.in_features)
         flat = ids.reshape(-1)
