@@ -150,7 +150,7 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             r1 = min(n_out, r0 + tile_rows)
             tile = buf[: r1 - r0]
             tile.copy_(weight[r0:r1])
-            out[:, r0:r1] = cpu_gemm.tile_mm(x, None, tile, path)
+            out[:, r0:r1] = cpu_gemm.tile_mm(x, tile, path)
     if bias is not None:
         out += bias
     return out

@@ -62,11 +62,8 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
-def tile_mm(x: torch.Tensor, x_bf16: torch.Tensor | None, tile: torch.Tensor, path: str) -> torch.Tensor:
-    """x [m, in] fp32 @ an fp32 weight tile [rows, in].T by `path` (x_bf16: x rounded to bf16 once
-    per call, for "bf16")."""
-    if path == "bf16":
-        return torch.mm(x_bf16, tile.to(torch.bfloat16).t()).float()
+def tile_mm(x: torch.Tensor, tile: torch.Tensor, path: str) -> torch.Tensor:
+    """x [m, in] fp32 @ an fp32 weight tile [rows, in].T by the fp32 `path`."""
     if path == "onednn":
         return onednn_linear(x, tile)
     return torch.mm(x, tile.t())

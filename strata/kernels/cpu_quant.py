@@ -9,8 +9,8 @@ into a per-call sum of x over each group. The two row dots are explicit vector L
 (cpu_simd.py), the loops around them plain numba.
 For more than one input row the int4 kernel dequantises each weight row once into a per-thread
 fp32 buffer and reuses it for every input row. Above MAX_ROWS rows (prefill, large batches) the
-weight is dequantised tile by tile into a small fp32 buffer and torch's fp32 GEMM runs (matmul):
-there compute dominates.
+weight is dequantised (to bf16 where the bf16 GEMM was measured faster, else tile by tile to
+fp32) and a GEMM runs (matmul): there compute dominates.
 
 torch's own CPU weight-only kernels were measured on the dev box (Zen 4, AVX-512 VNNI/BF16) and
 do not pay: `_weight_int8pack_mm` reads 2.4 GB/s of int8 with fp32 activations (6.9 with bf16),
@@ -275,6 +275,38 @@ if numba is not None:
                 i4_row(w[r], s[r], out[r], group // 2)
 
     @njit(cache=True)
+    def _round_bf16(row, out):  # pragma: no cover - compiled
+        """out = the bf16 bit patterns of fp32 `row`, rounded to nearest even (as torch's
+        .to(torch.bfloat16) rounds finite values; quantised weights are always finite)."""
+        u = row.view(np.uint32)
+        for c in range(u.shape[0]):
+            b = u[c]
+            out[c] = np.uint16((b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+
+    @njit(parallel=True, fastmath=True, cache=True)
+    def _int8_dequant_bf16(w, s, out, threads):  # pragma: no cover - compiled
+        n_out, n_in = w.shape
+        per = (n_out + threads - 1) // threads
+        for t in prange(threads):
+            row = np.empty(n_in, np.float32)
+            for r in range(t * per, min(n_out, (t + 1) * per)):
+                wr = w[r]
+                sc = s[r]
+                for c in range(n_in):
+                    row[c] = np.float32(wr[c]) * sc
+                _round_bf16(row, out[r])
+
+    @njit(parallel=True, fastmath=True, cache=True)
+    def _int4_dequant_bf16(w, s, out, group, threads):  # pragma: no cover - compiled
+        n_out, n_in = out.shape
+        per = (n_out + threads - 1) // threads
+        for t in prange(threads):
+            row = np.empty(n_in, np.float32)
+            for r in range(t * per, min(n_out, (t + 1) * per)):
+                i4_row(w[r], s[r], row, group // 2)
+                _round_bf16(row, out[r])
+
+    @njit(cache=True)
     def _int8_rows(w, s, ids, out):  # pragma: no cover - compiled
         """out[i] = rows ids[i] of an int8 weight, dequantised as quant_formats.dequantize_int8_ref
         does (q * scale in fp32); False (nothing written past that row) for an id out of range."""
@@ -358,6 +390,37 @@ def dequantize(
     return out
 
 
+# One reused buffer for the bf16 path's dequantised weights: a fresh multi-MB tensor per call
+# costs its page faults every time (measured ~2x the GEMM on qwen-0.5b's gate/up). Grows to the
+# largest weight seen, capped at BF16_TILE_BYTES; only the (single) forward thread uses it.
+BF16_TILE_BYTES = 32 << 20
+_bf16_scratch: list[torch.Tensor] = []
+
+
+def _bf16_buffer(elements: int) -> torch.Tensor:
+    if not _bf16_scratch or _bf16_scratch[0].numel() < elements:
+        _bf16_scratch[:] = [torch.empty(elements, dtype=torch.bfloat16)]
+    return _bf16_scratch[0]
+
+
+def dequantize_bf16(
+    method: str, qweight: torch.Tensor | np.ndarray, scale: torch.Tensor | np.ndarray, out: torch.Tensor,
+    group_size: int,
+) -> torch.Tensor:
+    """Rows of a quantised weight dequantised into `out` [rows, in] bf16, in one pass with no fp32
+    copy: dequantize_*_ref(...).to(torch.bfloat16), bit for bit for int8; int4 folds the -8 into
+    the scale as the GEMV kernels do (cpu_simd.i4_row), so a value on a bf16 rounding boundary may
+    land one bf16 step away (the plain (q - 8) * scale loop is exact but measured ~4x slower)."""
+    _check(method, out.shape[1], qweight, scale, group_size)
+    bits = out.view(torch.int16).numpy().view(np.uint16)
+    threads = cpu_gemv.sync_threads()
+    if method == "int8":
+        _int8_dequant_bf16(_np(qweight), _np(scale), bits, threads)
+    else:
+        _int4_dequant_bf16(_np(qweight), _np(scale), bits, group_size, threads)
+    return out
+
+
 @kernel("quant_matmul")
 def matmul(
     method: str, x: torch.Tensor, qweight: torch.Tensor | np.ndarray, scale: torch.Tensor | np.ndarray,
@@ -365,30 +428,42 @@ def matmul(
 ) -> torch.Tensor:
     """x [rows, in] fp32 @ the quantised weight.T (+ bias) for many rows (prefill, big batches).
 
-    Tile-wise: a few hundred weight rows at a time (~4 MiB of fp32) are dequantised into one
-    reused buffer and multiplied by the GEMM `path` names (cpu_gemm.py: an fp32 one, or bf16 where
-    the hardware layer measured it faster: the activations then round to bf16 too). Measured on
-    the dev box (qwen-0.5b gate/up 9728x896, 128 rows): 13 ms, against 29 ms for dequantising
-    the whole weight per call (a fresh 35 MB buffer: page faults) and 17 ms for fp32 F.linear
-    on an already-float weight.
+    Path "bf16" (cpu_gemm.py: where the hardware layer measured oneDNN's bf16 GEMM faster): the
+    weight is dequantised straight to bf16 into one reused buffer (whole, or in BF16_TILE_BYTES
+    tiles for an LM head) and multiplied as a bf16 weight is; the activations round to bf16 too.
+    Measured on a Zen 4 (AVX-512 BF16, 128 rows): within ~10% of the same GEMM on a stored bf16
+    weight, where dequantising ~4 MiB fp32 tiles, converting each and multiplying tile by tile
+    took 1.35-1.45x. Fp32 paths: a few hundred weight rows at a time (~4 MiB of fp32) are
+    dequantised into one reused fp32 buffer and multiplied by that fp32 GEMM (exact).
     """
     x = x.contiguous()
     w, s = _np(qweight), _np(scale)
     n_out, n_in = w.shape[0], x.shape[1]
     _check(method, n_in, w, s, group_size)
-    tile_rows = max(64, min(1024, (4 << 20) // (4 * n_in) // 16 * 16))
-    out = torch.empty(x.shape[0], n_out, dtype=torch.float32)
-    buf = torch.empty(min(tile_rows, n_out), n_in, dtype=torch.float32)
-    x_bf16 = x.to(torch.bfloat16) if path == "bf16" else None
-    threads = cpu_gemv.sync_threads()
-    for r0 in range(0, n_out, tile_rows):
-        r1 = min(n_out, r0 + tile_rows)
-        tile = buf[: r1 - r0]
-        if method == "int8":
-            _int8_dequant(w[r0:r1], s[r0:r1], tile.numpy(), threads)
-        else:
-            _int4_dequant(w[r0:r1], s[r0:r1], tile.numpy(), group_size, threads)
-        out[:, r0:r1] = cpu_gemm.tile_mm(x, x_bf16, tile, path)
+    if path == "bf16":
+        tile_rows = max(16, min(n_out, BF16_TILE_BYTES // (2 * n_in)))
+        buf = _bf16_buffer(tile_rows * n_in)
+        x_bf16 = x.to(torch.bfloat16)
+        tiles = []
+        for r0 in range(0, n_out, tile_rows):
+            r1 = min(n_out, r0 + tile_rows)
+            tile = buf[: (r1 - r0) * n_in].view(r1 - r0, n_in)
+            dequantize_bf16(method, w[r0:r1], s[r0:r1], tile, group_size)
+            tiles.append(torch.mm(x_bf16, tile.t()).float())
+        out = tiles[0] if len(tiles) == 1 else torch.cat(tiles, dim=1)
+    else:
+        out = torch.empty(x.shape[0], n_out, dtype=torch.float32)
+        tile_rows = max(64, min(1024, (4 << 20) // (4 * n_in) // 16 * 16))
+        buf = torch.empty(min(tile_rows, n_out), n_in, dtype=torch.float32)
+        threads = cpu_gemv.sync_threads()
+        for r0 in range(0, n_out, tile_rows):
+            r1 = min(n_out, r0 + tile_rows)
+            tile = buf[: r1 - r0]
+            if method == "int8":
+                _int8_dequant(w[r0:r1], s[r0:r1], tile.numpy(), threads)
+            else:
+                _int4_dequant(w[r0:r1], s[r0:r1], tile.numpy(), group_size, threads)
+            out[:, r0:r1] = cpu_gemm.tile_mm(x, tile, path)
     if bias is not None:
         out += bias
     return out

@@ -96,3 +96,37 @@ def test_prefill_gemm_override(monkeypatch):
     monkeypatch.setenv("STRATA_PREFILL_GEMM", "fast")
     with pytest.raises(ConfigError, match="STRATA_PREFILL_GEMM='fast'.*choose auto"):
         dtype_policy.prefill_gemms(amd)
+
+
+@pytest.mark.parametrize("method,group", [("int8", 0), ("int4", 32), ("int4", 64), ("int4", 128)])
+@pytest.mark.parametrize("shape", [(1, 128), (37, 384), (301, 256)])
+def test_dequantize_bf16_is_the_reference_rounded(method, group, shape):
+    """The bf16 dequantisation is the fp32 reference rounded to bf16: bit for bit for int8, within
+    one bf16 step for int4 (its kernel computes q * s - 8 * s, one fp32 rounding apart)."""
+    w = torch.randn(*shape, generator=torch.Generator().manual_seed(shape[0] + group)) * 3
+    if method == "int8":
+        q, s = quant_formats.quantize_int8(w)
+        ref = quant_formats.dequantize_int8_ref(q, s)
+    else:
+        q, s = quant_formats.quantize_int4(w, group)
+        ref = quant_formats.dequantize_int4_ref(q, s)
+    out = torch.empty(*shape, dtype=torch.bfloat16)
+    cpu_quant.dequantize_bf16(method, q, s, out, group)
+    if method == "int8":
+        assert torch.equal(out.view(torch.int16), ref.bfloat16().view(torch.int16))
+    else:
+        torch.testing.assert_close(out.float(), ref.bfloat16().float(), rtol=2**-7, atol=0)
+        assert (out != ref.bfloat16()).float().mean() < 0.01
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantised_bf16_prefill_tiles_agree_with_one_tile(method, monkeypatch):
+    """A weight larger than the bf16 buffer (an LM head) runs tile by tile with the same result."""
+    g = torch.Generator().manual_seed(5)
+    w, x = torch.randn(333, 128, generator=g), torch.randn(24, 128, generator=g)
+    q, s = quant_formats.quantize_int8(w) if method == "int8" else quant_formats.quantize_int4(w, 64)
+    whole = cpu_quant.matmul(method, x, q, s, 64, None, "bf16")
+    monkeypatch.setattr(cpu_quant, "BF16_TILE_BYTES", 2 * 128 * 50)  # 50-row tiles, the last one short
+    tiled = cpu_quant.matmul(method, x, q, s, 64, None, "bf16")
+    assert tiled.shape == (24, 333) and tiled.dtype == torch.float32
+    assert torch.equal(tiled, whole)
