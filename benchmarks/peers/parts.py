@@ -158,10 +158,12 @@ def bench_serve(ctx: Ctx, part: str, name: str, url: str, model_dir: Path, num_p
     return measure(ctx, name, run)
 
 
-def strata_server(ctx: Ctx, part: str, shape: str) -> Server:
+def strata_server(ctx: Ctx, part: str, shape: str, max_num_seqs: int | None = None) -> Server:
     port = free_port(ctx.args.port)
     cmd = [*ctx.strata, "serve", "--random-model", shape, "--dtype", "float32", "--kv-cache-memory",
            ctx.args.kv_cache_memory, "--threads", str(ctx.args.threads), "--port", str(port)]
+    if max_num_seqs is not None:
+        cmd += ["--max-num-seqs", str(max_num_seqs)]
     return Server(ctx, part, f"strata-serve-{shape}", cmd, port, "/ready")
 
 
@@ -251,14 +253,15 @@ def part_serving(ctx: Ctx, shape: str, ggufs: dict[str, Path], saturation: tuple
                "num_prompts": prompts_for_rate(rate, wl.serve_target_s, wl.serve_min_prompts, wl.serve_max_prompts)}
               for name, rate in rates.items()]
     res["points"] = points
-    with strata_server(ctx, "serving", shape) as srv:
+    # the same batch ceiling for both: llama-server runs at most `slots` sequences at once
+    slots = (tp_res or {}).get("llama_http", {}).get("slots") or llama_slot_list(args)[0]
+    res["llama_slots"] = slots
+    with strata_server(ctx, "serving", shape, max_num_seqs=slots) as srv:
         res["strata_cmd"] = ctx.display(srv.cmd).replace(f"--port {srv.port}", "--port P")
         for p in points:
             p["strata"] = bench_serve(ctx, "serving", f"bench-serve-strata-{shape}-{p['name']}", srv.url, model_dir,
                                       p["num_prompts"], f"{p['rate']:g}",
                                       out_dir / f"serve-strata-{shape}-{p['name']}.json")
-    slots = (tp_res or {}).get("llama_http", {}).get("slots") or llama_slot_list(args)[0]
-    res["llama_slots"] = slots
     with llama_server(ctx, "serving", shape, ggufs["f32"], slots) as srv:
         res["llama_cmd"] = ctx.display(srv.cmd).replace(f"--port {srv.port}", "--port P")
         for p in points:

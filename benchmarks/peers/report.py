@@ -173,8 +173,12 @@ def render_markdown(res: dict) -> str:
               f"({wl.get('serve_min_prompts')}-{wl.get('serve_max_prompts')} requests), so a point takes 1-2 "
               f"minutes. Goodput = requests per second meeting the SLO {sv.get('slo', '?')} "
               "(TTFT and TPOT in ms). Servers: "
-              f"`{sv.get('strata_cmd', 'strata serve')}` and `{sv.get('llama_cmd', 'llama-server')}`. "
-              "TTFT and TPOT ratios > 1 mean Strata is slower.\n")
+              f"`{sv.get('strata_cmd', 'strata serve')}` and `{sv.get('llama_cmd', 'llama-server')}`"
+              + (f": both run at most {sv['llama_slots']} sequences at once (llama-server's slots, Strata's "
+                 "--max-num-seqs), so TPOT compares the engines at one batch ceiling (Strata's default, 128, "
+                 "trades TPOT for throughput: the throughput table's HTTP row)" if "max-num-seqs" in
+                 sv.get("strata_cmd", "") and sv.get("llama_slots") else "")
+              + ". TTFT and TPOT ratios > 1 mean Strata is slower.\n")
             w(serving_table(sv.get("points", [])) + "\n")
 
     f = findings(res)

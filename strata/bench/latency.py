@@ -79,11 +79,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def figures(
     prefill_s: float, decode_s: float, args: argparse.Namespace, params: int, weight_bytes: int,
-    kv_bytes_per_token: int, bandwidth_gbs: float,
+    kv_bytes_per_token: int, bandwidth_gbs: float, steps: int | None = None,
 ) -> dict:
-    """Rates and roofline figures from the two phase times (same formulas for every engine)."""
+    """Rates and roofline figures from the two phase times (same formulas for every engine);
+    `steps`: the decode steps decode_s covers (default output_len - 1)."""
     b, n_in, n_out = args.batch, args.input_len, args.output_len
-    steps = n_out - 1
+    steps = n_out - 1 if steps is None else steps
     step_s = decode_s / steps
     # decode step j (1..steps) attends over n_in + j positions: mean n_in + n_out / 2 per sequence
     kv_read = b * (n_in + n_out / 2) * kv_bytes_per_token
@@ -121,18 +122,31 @@ def _repeat_prompts(args: argparse.Namespace, vocab: int, avoid: set[int], first
     ]
 
 
-def _strata_run(llm, prompts: list[list[int]], output_len: int) -> tuple[float, float]:
-    """(prefill_s, decode_s) from the requests' own timeline stamps."""
+def _strata_run(llm, prompts: list[list[int]], output_len: int) -> tuple[float, float, int]:
+    """(prefill_s, decode_s, decode steps) from the requests' own timeline stamps.
+
+    Decode is the window in which every sequence decodes every step: from the last prompt's first
+    token to the first request's end. They coincide with the batch's whole decode when all
+    prompts prefill in one step; when the prompts exceed the step's token budget, prefill is
+    chunked, the early sequences start decoding (in steps shared with prefill chunks) and finish
+    early, and counting their tokens would credit the batch with steps it never ran."""
     from strata.engine.sampling_params import SamplingParams
 
     sp = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     outs = llm.generate(prompts, sp, use_tqdm=False)
-    start = min(o.arrival_time for o in outs)
-    first = max(o.first_token_time for o in outs)
-    end = max(o.finished_time for o in outs)
     if any(len(o.outputs[0].token_ids) != output_len for o in outs):
         raise StrataError(f"a request stopped before its {output_len} tokens")
-    return first - start, end - first
+    start = min(o.arrival_time for o in outs)
+    last = max(outs, key=lambda o: o.first_token_time)
+    first = last.first_token_time
+    end = min(o.finished_time for o in outs)
+    steps = sum(1 for t in last.token_times if first < t <= end)
+    if steps == 0:
+        raise ConfigError(
+            f"no step decoded all {len(prompts)} sequences at once (prefill was chunked over more steps "
+            f"than --output-len {output_len} leaves): raise --max-num-batched-tokens to at least "
+            f"{sum(len(p) for p in prompts)} or --output-len")
+    return first - start, end - first, steps
 
 
 def main(args: argparse.Namespace) -> int:
@@ -184,7 +198,8 @@ def main(args: argparse.Namespace) -> int:
     )
     if args.batch * args.input_len > args.max_num_batched_tokens:
         print(f"note: {args.batch * args.input_len} prompt tokens exceed --max-num-batched-tokens "
-              f"{args.max_num_batched_tokens}; Strata's prefill is chunked over several steps")
+              f"{args.max_num_batched_tokens}; Strata's prefill is chunked over several steps, and its decode "
+              "figures cover only the steps that decode every sequence")
 
     bw = measure_mem_bandwidth(args.device)
     info["mem_bandwidth_gbs"] = info["mem_bandwidth_before_gbs"] = bw
@@ -206,7 +221,7 @@ def main(args: argparse.Namespace) -> int:
     print(f"memory bandwidth after the run: {after:.1f} GB/s; MBU uses {max(bw, after):.1f} GB/s (the higher)")
     bw = info["mem_bandwidth_gbs"] = max(bw, after)
     fig = dict(params=params, weight_bytes=wbytes, kv_bytes_per_token=kvtok, bandwidth_gbs=bw)
-    results = {"strata": median_of_runs([figures(p, d, args, **fig) for p, d in strata_runs], _SPREAD)}
+    results = {"strata": median_of_runs([figures(p, d, args, **fig, steps=n) for p, d, n in strata_runs], _SPREAD)}
     rows = [_row("strata", results["strata"])]
     report = None
     if profile:

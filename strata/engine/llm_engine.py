@@ -303,6 +303,7 @@ class LLMEngine:
             num_preemptions=sum(s.num_preemptions for s in req.seqs),
             first_scheduled_time=tl.first_scheduled,
             prompt_logprobs=None if req.prompt_logprobs is None else list(req.prompt_logprobs),
+            token_times=list(tl.token_times) if req.finished else None,
         )
 
     def kv_usage(self) -> KVUsage:

@@ -114,3 +114,4 @@ class RequestOutput:
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None  # with SamplingParams.prompt_logprobs
+    token_times: list[float] | None = None  # once finished: when each output token was sampled (time.time())

@@ -32,6 +32,7 @@ try:
     import numba
     from numba import njit, prange
 
+    from strata.kernels.cpu_gemv import BLOCK_ROWS, _pair_rows
     from strata.kernels.cpu_simd import bf16_dot, f32_dot
 except ImportError:  # pragma: no cover - exercised only where numba is absent
     numba = None
@@ -55,10 +56,20 @@ if numba is not None:
     def _bf16_gemv(w, x, out, threads):  # pragma: no cover - compiled
         n_out, n_in = w.shape
         rows = x.shape[0]
-        per = (n_out + threads - 1) // threads
+        # even slabs: row pairs start at even rows, so the bits do not depend on the thread count
+        per = (n_out + 2 * threads - 1) // (2 * threads) * 2
         for t in prange(threads):
             buf = np.empty(n_in, np.float32)
-            for r in range(t * per, min(n_out, (t + 1) * per)):
+            buf2 = np.empty(n_in, np.float32)
+            paired, end = t * per, min(n_out, (t + 1) * per)
+            if rows >= BLOCK_ROWS:  # compute-bound: widen 2 rows, 2 x 4 blocks (cpu_gemv)
+                ot = out.T
+                while paired + 2 <= end:
+                    _widen(w[paired], buf)
+                    _widen(w[paired + 1], buf2)
+                    _pair_rows(buf, buf2, x, ot[paired], ot[paired + 1], False)
+                    paired += 2
+            for r in range(paired, end):  # the row the pairs left, or every row
                 if rows == 1:
                     out[0, r] = bf16_dot(w[r], x[0])
                 else:  # widen once, reuse for every input row
@@ -83,6 +94,9 @@ if numba is not None:
                 else:
                     _widen(w[r], bg)
                     _widen(w[r + half], bu)
+                    if rows >= BLOCK_ROWS:
+                        _pair_rows(bg, bu, x, out.T[r], out.T[r], True)
+                        continue
                     for j in range(rows):
                         g = f32_dot(bg, x[j])
                         u = f32_dot(bu, x[j])

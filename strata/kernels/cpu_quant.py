@@ -46,6 +46,7 @@ try:
     import numba
     from numba import njit, prange
 
+    from strata.kernels.cpu_gemv import BLOCK_ROWS, _pair_rows
     from strata.kernels.cpu_simd import (
         f32_dot,
         has_avx512_vnni,
@@ -133,10 +134,20 @@ if numba is not None:
         n_out = w.shape[0]
         rows, n_in = x.shape
         xs8 = _group_sums8(x, group)
-        per = (n_out + threads - 1) // threads
+        # even slabs: row pairs start at even rows, so the bits do not depend on the thread count
+        per = (n_out + 2 * threads - 1) // (2 * threads) * 2
         for t in prange(threads):
             buf = np.empty(n_in, np.float32)
-            for r in range(t * per, min(n_out, (t + 1) * per)):
+            buf2 = np.empty(n_in, np.float32)
+            paired, end = t * per, min(n_out, (t + 1) * per)
+            if rows >= BLOCK_ROWS:  # compute-bound: unpack 2 rows, 2 x 4 blocks (cpu_gemv)
+                ot = out.T
+                while paired + 2 <= end:
+                    i4_row(w[paired], s[paired], buf, group // 2)
+                    i4_row(w[paired + 1], s[paired + 1], buf2, group // 2)
+                    _pair_rows(buf, buf2, x, ot[paired], ot[paired + 1], False)
+                    paired += 2
+            for r in range(paired, end):  # the row the pairs left, or every row
                 if rows == 1:
                     out[0, r] = i4_dot(w[r], s[r], x[0], xs8[0], group // 2)
                 else:  # unpack once, reuse for every input row
@@ -161,6 +172,9 @@ if numba is not None:
                 else:
                     i4_row(w[r], s[r], bg, group // 2)
                     i4_row(w[r + half_rows], s[r + half_rows], bu, group // 2)
+                    if rows >= BLOCK_ROWS:
+                        _pair_rows(bg, bu, x, out.T[r], out.T[r], True)
+                        continue
                     for j in range(rows):
                         g = f32_dot(bg, x[j])
                         u = f32_dot(bu, x[j])

@@ -109,3 +109,17 @@ def test_bad_flags_are_reported(tmp_path, capsys):
     assert "--output-len" in capsys.readouterr().err
     assert main(["bench", "latency", "--random-model", "tiny", "--model", str(tmp_path)]) == 2
     assert "not both" in capsys.readouterr().err
+
+
+def test_latency_with_chunked_prefill_counts_only_steps_that_decode_the_whole_batch(tmp_path):
+    """Prompts over the step budget prefill in chunks: the early sequences decode (and finish)
+    sooner, so only the steps in which every sequence decodes count as batch decode steps."""
+    out = tmp_path / "lat.json"
+    args = ["bench", "latency", "--random-model", "tiny", "--dtype", "float32", "--threads", "1",
+            "--batch", "4", "--input-len", "16", "--max-num-batched-tokens", "32", "--max-model-len", "32",
+            "--warmup", "0", "--repeats", "1"]
+    assert main([*args, "--output-len", "8", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())["strata"]
+    assert 1 <= data["decode_steps"] < 7  # two prompts a step: the first two finish a step or more early
+    assert data["decode_tokens_per_s"] == pytest.approx(4 * data["decode_steps"] / data["decode_s"])
+    assert main([*args, "--output-len", "2"]) == 2  # no step decodes all four: a clear error, not a figure

@@ -15,7 +15,7 @@ def _tol(in_f: int) -> dict:
     return dict(rtol=1e-5, atol=2e-7 * in_f + 1e-5)  # fp32 summation order differs from F.linear's
 
 
-@pytest.mark.parametrize("rows", [1, 2, 7, cpu_bf16.MAX_ROWS])
+@pytest.mark.parametrize("rows", [1, 2, 7, 9, 14, cpu_bf16.MAX_ROWS])
 @pytest.mark.parametrize("shape", [(1, 1), (5, 31), (7, 33), (64, 64), (333, 100), (1024, 576)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_gemv_matches_reference(rows, shape, bias):
@@ -31,7 +31,7 @@ def test_gemv_matches_reference(rows, shape, bias):
     torch.testing.assert_close(got, F.linear(x, w.float(), b), **_tol(in_f))
 
 
-@pytest.mark.parametrize("rows", [1, 3, cpu_bf16.MAX_ROWS])
+@pytest.mark.parametrize("rows", [1, 3, 11, cpu_bf16.MAX_ROWS])
 @pytest.mark.parametrize("shape", [(2, 40), (96, 64), (3072, 576)])
 def test_swiglu_matches_reference(rows, shape):
     g = torch.Generator().manual_seed(rows + shape[0])

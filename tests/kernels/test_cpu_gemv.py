@@ -10,7 +10,7 @@ from strata.kernels.linear import linear
 pytestmark = pytest.mark.skipif(not cpu_gemv.available(), reason="numba not installed")
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 7, cpu_gemv.MAX_ROWS])
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, cpu_gemv.BLOCK_ROWS, cpu_gemv.BLOCK_ROWS + 1, 13, cpu_gemv.MAX_ROWS])
 @pytest.mark.parametrize("shape", [(1, 1), (5, 3), (96, 64), (333, 129), (1024, 576)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_gemv_matches_linear(rows, shape, bias):
@@ -45,7 +45,7 @@ def test_dispatch_falls_back_to_torch():
     torch.testing.assert_close(linear(many, w), F.linear(many, w))
 
 
-@pytest.mark.parametrize("rows", [1, 5, cpu_gemv.MAX_ROWS])
+@pytest.mark.parametrize("rows", [1, 5, cpu_gemv.BLOCK_ROWS + 1, cpu_gemv.MAX_ROWS])
 @pytest.mark.parametrize("shape", [(2, 3), (96, 64), (3072, 576)])
 def test_gemv_swiglu_matches_torch(rows, shape):
     g = torch.Generator().manual_seed(rows + shape[0])
@@ -55,3 +55,27 @@ def test_gemv_swiglu_matches_torch(rows, shape):
     with torch.inference_mode():
         got = cpu_gemv.gemv_swiglu(x, w)
     torch.testing.assert_close(got, F.silu(gate) * up, rtol=1e-5, atol=2e-7 * shape[1] + 1e-6)
+
+
+@pytest.mark.parametrize("rows", [1, cpu_gemv.BLOCK_ROWS + 1, cpu_gemv.MAX_ROWS])
+def test_blocked_kernels_do_not_depend_on_the_thread_count(rows):
+    """The adaptive thread tuner changes the numba thread cap mid-run: fp32, bf16 and int4 few-row
+    GEMVs must give the same bits on 1 and 2 threads (odd row counts: a pair must not straddle)."""
+    import numpy as np
+
+    from strata.kernels import cpu_bf16, cpu_quant, quant_formats
+
+    g = torch.Generator().manual_seed(rows)
+    w, x = torch.randn(333, 192, generator=g), torch.randn(rows, 192, generator=g)
+    wb = w.bfloat16().view(torch.int16).numpy()
+    q, s = quant_formats.quantize_int4(w, 64)
+    runs = []
+    for threads in (1, 2, 3):
+        outs = [np.empty((rows, 333), np.float32) for _ in range(3)]
+        cpu_gemv._gemv_rows(w.numpy(), x.numpy(), outs[0], threads)
+        cpu_bf16._bf16_gemv(wb, x.numpy(), outs[1], threads)
+        cpu_quant._int4_gemv(q.numpy(), s.numpy(), x.numpy(), outs[2], 64, threads)
+        runs.append(outs)
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):
+            assert np.array_equal(a, b)

@@ -111,7 +111,7 @@ def test_int4_group_size_rule():
 
 @needs_numba
 @pytest.mark.parametrize("method", ["int8", "int4"])
-@pytest.mark.parametrize("rows", [1, 2, 5, cpu_quant.MAX_ROWS])
+@pytest.mark.parametrize("rows", [1, 2, 5, 9, 14, cpu_quant.MAX_ROWS])
 @pytest.mark.parametrize("shape", [(1, 64), (7, 96), (96, 64), (333, 128), (1024, 576)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_gemv_matches_reference(method, rows, shape, bias):
@@ -153,7 +153,7 @@ def test_int4_group_sizes(group, rows):
 
 @needs_numba
 @pytest.mark.parametrize("method", ["int8", "int4"])
-@pytest.mark.parametrize("rows", [1, 4, cpu_quant.MAX_ROWS])
+@pytest.mark.parametrize("rows", [1, 4, 11, cpu_quant.MAX_ROWS])
 @pytest.mark.parametrize("shape", [(2, 64), (96, 64), (3072, 576)])
 def test_gemv_swiglu_matches_reference(method, rows, shape):
     g = torch.Generator().manual_seed(rows + shape[0])
