@@ -141,10 +141,13 @@ class DecodeProbe:
         ids = torch.randint(3, self.cfg.vocab_size, (batch,), device=dev)
         return ids, positions, meta
 
-    def _seconds(self, fn, warmup: int = WARMUP, repeats: int = REPEATS) -> float:
+    def _seconds(self, fn, warmup: int = WARMUP, repeats: int = REPEATS, min_seconds: float = 0.0) -> float:
+        """Mean seconds of fn after `warmup` calls: at least `repeats` timed calls, and more until
+        `min_seconds` of them have run."""
         cuda = self.device.type == "cuda"
         times = []
-        for i in range(warmup + repeats):
+        i = 0
+        while i < warmup + repeats or sum(times) < min_seconds:
             if cuda:
                 torch.cuda.synchronize(self.device)
             t0 = time.perf_counter()
@@ -153,16 +156,21 @@ class DecodeProbe:
                 torch.cuda.synchronize(self.device)
             if i >= warmup:
                 times.append(time.perf_counter() - t0)
+            i += 1
         return statistics.fmean(times)  # the mean, as `strata bench latency` reports a step
 
     @torch.inference_mode()
-    def retime(self, batches: tuple[int, ...] = PROBE_BATCHES) -> DecodeTimes:
+    def retime(self, batches: tuple[int, ...] = PROBE_BATCHES, min_seconds: float = 0.0) -> DecodeTimes:
+        """Time the probe's layers and head at each batch; `min_seconds`: keep timing each for at
+        least that long (a window long enough to average the bandwidth's second-scale swings)."""
         layer_s, head_s = [], []
         for b in batches:
             inputs = (*self._step_inputs(b), self.kv_caches)
             hidden = self.model(*inputs)
-            layer_s.append(self._seconds(lambda inputs=inputs: self.model(*inputs)) / self.layers)
-            head_s.append(self._seconds(lambda hidden=hidden: self.model.compute_logits(hidden).float()))
+            layer_s.append(self._seconds(lambda inputs=inputs: self.model(*inputs), min_seconds=min_seconds)
+                           / self.layers)
+            head_s.append(self._seconds(lambda hidden=hidden: self.model.compute_logits(hidden).float(),
+                                        min_seconds=min_seconds / 2))
         times = DecodeTimes(tuple(batches), tuple(layer_s), tuple(head_s), PROBE_CONTEXT, self.layers)
         logger.info("decode probe %s over %d layers at context %d: per layer %s ms, head %s ms (batches %s)",
                     self.cfg.architecture, self.layers, PROBE_CONTEXT,
@@ -171,9 +179,10 @@ class DecodeProbe:
 
 
     @torch.inference_mode()
-    def prefill_layer_s(self, tokens: int) -> float:
+    def prefill_layer_s(self, tokens: int, min_seconds: float = 0.0) -> float:
         """Mean seconds per layer of one `tokens`-token prompt (no prior context) through the
-        probe's layers: the engine's prefill forward, every built layer once per pass."""
+        probe's layers: the engine's prefill forward, every built layer once per pass (timed for
+        at least `min_seconds`)."""
         from strata.kernels.attention import AttentionMetadata, PrefillSpan
 
         if not 1 <= tokens <= PREFILL_MAX_TOKENS:
@@ -185,7 +194,8 @@ class DecodeProbe:
                                  backend=self.backend)
         ids = torch.randint(3, self.cfg.vocab_size, (tokens,), device=dev)
         pos = torch.arange(tokens, device=dev)
-        seconds = self._seconds(lambda: self.model(ids, pos, meta, self.kv_caches), PREFILL_WARMUP, PREFILL_REPEATS)
+        seconds = self._seconds(lambda: self.model(ids, pos, meta, self.kv_caches), PREFILL_WARMUP, PREFILL_REPEATS,
+                                min_seconds)
         logger.info("decode probe's model: %d-token prefill %.2f ms per layer over %d layers", tokens,
                     seconds / self.layers * 1e3, self.layers)
         return seconds / self.layers

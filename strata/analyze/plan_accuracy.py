@@ -15,8 +15,9 @@ compute; int8/int4 with their VNNI integer kernels where the CPU has them).
 Decode is predicted at the mean context the measured steps attend over (prompt + output / 2).
 On the dev VM the memory bandwidth drifts between ~25 and ~40 GB/s within minutes, more than the
 tolerance, so a prediction from figures taken earlier would test the drift, not the planner: the
-plan's decode probe (decode_probe.py: the model's own layers timed at its shapes) is re-timed just
-before and just after each run and the two averaged ("probe ms/layer": the per-layer time used);
+plan's decode probe (decode_probe.py: the model's own layers timed at its shapes) is re-timed for
+RETIME_S at the case's batch just before and just after each run and the two averaged ("probe
+ms/layer": the per-layer time used);
 for the prefill pair its model is timed over the 512-token prompt the same way and the plan's
 layer split is scaled to that.
 Where the plan priced decode from the rates (no probe), the weight-streaming rate is re-measured
@@ -38,6 +39,11 @@ from strata.text_table import print_table
 
 NAME = "plan-accuracy"
 HELP = "strata plan's predictions vs strata bench latency, measured in one run"
+
+# Seconds each re-timing runs (before and after a measured run, at the case's batch only): the
+# VM's bandwidth swings ~1.5x within seconds, and 7 batch-1 steps (70-140 ms) sampled one swing,
+# so the same probe read 1.56-2.79 ms a qwen-0.5b layer in one minute (Zen 4).
+RETIME_S = 2.0
 
 # (case, batch, input_len, output_len, target relative error)
 CASES = [
@@ -136,12 +142,12 @@ def _probe_model(plan, cfg, args: argparse.Namespace):
                         plan.device.torch_device or "cpu")
 
 
-def _retime(plan, cfg, args: argparse.Namespace):
-    return _probe_model(plan, cfg, args).retime()
+def _retime(plan, cfg, args: argparse.Namespace, batch: int):
+    return _probe_model(plan, cfg, args).retime((batch,), min_seconds=RETIME_S)
 
 
 def _prefill_layer_now(plan, cfg, args: argparse.Namespace) -> float:
-    return _probe_model(plan, cfg, args).prefill_layer_s(plan.prefill_layer.tokens)
+    return _probe_model(plan, cfg, args).prefill_layer_s(plan.prefill_layer.tokens, min_seconds=RETIME_S)
 
 
 def _mean_times(a, b):
@@ -188,9 +194,9 @@ def main(args: argparse.Namespace) -> int:
             elif prefill_case or plan.decode_probe is None:
                 got, probe, stream = _measure_with_drift(plan, model, args, batch, n_in, n_out, prefill_case)
             else:  # the model's layers timed again just before and just after the run, averaged
-                before = _retime(plan, cfg, args)
+                before = _retime(plan, cfg, args, batch)
                 got = _measure(model, args.dtype, args.quantization, batch, n_in, n_out)
-                probe = _mean_times(before, _retime(plan, cfg, args))
+                probe = _mean_times(before, _retime(plan, cfg, args, batch))
                 stream = plan.device.stream_gbs
             if prefill_case:
                 predicted, measured, unit = prefill_s * 1e3, got["prefill_s"] * 1e3, "ms"
