@@ -70,6 +70,7 @@ class EngineStats:
     spec_drafted: int = 0  # a draft, draft tokens, those accepted, tokens those steps produced
     spec_accepted: int = 0
     spec_emitted: int = 0
+    prefill_cap: int = 0  # decode-first: prefill tokens a step may take while sequences decode (0: no cap)
 
 
 class EngineClient:

@@ -121,6 +121,7 @@ class EngineLoop:
             "kv_token_bytes": usage.token_bytes, "kv_waste_bytes": usage.waste_bytes,
             "preemptions": sch.num_preemptions, "prefix_queries": pc.queries, "prefix_hits": pc.hits,
             "prefix_evictions": pc.evictions, "steps": eng.num_steps, "stage_seconds": dict(eng.stage_seconds),
+            "prefill_cap": sch.max_prefill_tokens_while_decoding or 0,
             **self._spec_stats(),
         }
 
@@ -192,10 +193,12 @@ def main(argv: list[str] | None = None) -> int:
     push.connect(args.outbox)
     try:
         from strata.config import EngineConfig
+        from strata.engine import decode_first
         from strata.engine.llm_engine import LLMEngine
 
         engine = LLMEngine(EngineConfig(**json.loads(args.config)), detokenize=False)
         warm = engine.warm_up()
+        decode_first.attach(engine)  # the prefill cap follows measured steps (after the warm-up's)
     except Exception as e:
         logger.error("engine failed to start:\n%s", traceback.format_exc())
         push.send(encode({"op": "fatal", "message": f"{type(e).__name__}: {e}"}))

@@ -57,6 +57,9 @@ class Metrics:
         self.running = Gauge("strata_num_requests_running", "sequences in the running batch", ["model_name"], registry=r)
         self.waiting = Gauge("strata_num_requests_waiting", "sequences waiting for admission", ["model_name"], registry=r)
         self.swapped = Gauge("strata_num_requests_swapped", "sequences parked in host memory", ["model_name"], registry=r)
+        self.prefill_cap = Gauge("strata_prefill_cap_tokens", "decode-first: prefill tokens a step may take while "
+                                 "sequences decode (0: no cap); on CPU it follows measured step times", ["model_name"],
+                                 registry=r)
         self.kv_usage = Gauge("strata_kv_cache_usage_ratio", "KV blocks owned by sequences / all blocks", ["model_name"], registry=r)
         self.kv_reserved = Gauge("strata_kv_cache_reserved_bytes", "KV cache bytes reserved", ["model_name"], registry=r)
         self.kv_live = Gauge("strata_kv_cache_live_token_bytes", "KV bytes holding computed tokens", ["model_name"], registry=r)
@@ -103,6 +106,7 @@ class Metrics:
         self.running.set(s.running)
         self.waiting.set(s.waiting)
         self.swapped.set(s.swapped)
+        self.prefill_cap.set(s.prefill_cap)
         self.kv_usage.set(s.kv_usage)
         self.kv_reserved.set(s.kv_reserved_bytes)
         self.kv_live.set(s.kv_token_bytes)

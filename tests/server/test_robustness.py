@@ -105,6 +105,7 @@ def test_metrics_exposes_the_issue_families(server):
     for stage in ("tokenize", "queue", "prefill", "decode", "detokenize", "stream"):
         assert f'strata_request_stage_seconds_total{{stage="{stage}"}}' in text
     assert 'strata_requests_total{endpoint="/v1/completions",status="200"}' in text
+    assert server.metric("strata_prefill_cap_tokens") > 0  # CPU: the decode-first cap, tuned by step times
 
 
 @pytest.fixture(scope="module")
