@@ -33,6 +33,7 @@ from strata.engine.scheduler import Scheduler
 from strata.engine.speculative import NgramProposer, Speculator
 from strata.errors import ConfigError, ModelLoadError
 from strata.graph.loader import check_model_dir, load_model
+from strata.hardware.host_allocator import keep_freed_memory
 from strata.hardware.placement import rank_placement, set_compute_threads
 from strata.kernels.attention import select_backend
 from strata.memory.blocks import BlockManager
@@ -426,6 +427,8 @@ def build_engine(config: EngineConfig, detokenize: bool = True) -> EngineParts:
         threads, _ = rank_placement(w.local_rank, w.local_world_size, config.num_threads)
     else:
         threads = set_compute_threads(config.num_threads)
+    if config.device == "cpu":
+        keep_freed_memory()  # activations reused, not page-faulted anew every step
     try:
         return _build(config, ckpt, detokenize, threads, ranks, comm, control)
     except BaseException:
