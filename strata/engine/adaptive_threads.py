@@ -21,10 +21,10 @@ whose reduction splits would change) keep the configured count.
 from __future__ import annotations
 
 import logging
-import os
 import statistics
 import time
 
+from strata.env_switch import switched_off
 from strata.kernels import cpu_gemv
 
 logger = logging.getLogger(__name__)
@@ -38,7 +38,7 @@ DEGRADED = 1.3  # recent median this much above the best recent median: try anot
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV, "") not in ("0", "false", "off")
+    return not switched_off(ENV)
 
 
 class AdaptiveThreads:

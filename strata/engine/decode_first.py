@@ -28,7 +28,8 @@ prompts' fp32 sums) is the same from run to run.
 from __future__ import annotations
 
 import logging
-import os
+
+from strata.env_switch import switched_off
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +41,7 @@ ALPHA = 0.3  # EWMA weight of the newest step
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV, "") not in ("0", "false", "off")
+    return not switched_off(ENV)
 
 
 def _ewma(old: float | None, new: float) -> float:
@@ -113,6 +114,3 @@ class AdaptivePrefillCap:
                          self.scheduler.max_prefill_tokens_while_decoding, cap, decode * 1e3, rows,
                          self.token_s * 1e3)
             self.scheduler.max_prefill_tokens_while_decoding = cap
-
-    def close(self) -> None:
-        pass

@@ -17,11 +17,11 @@ e.g. to compare).
 from __future__ import annotations
 
 import operator
-import os
 
 import numpy as np
 import torch
 
+from strata.env_switch import switched_off
 from strata.graph.layers import Linear, RMSNorm
 from strata.kernels import cpu_decode_layer, cpu_gemv
 from strata.kernels.attention import AttentionMetadata
@@ -32,7 +32,7 @@ MAX_ROWS = cpu_decode_layer.MAX_ROWS
 
 
 def enabled() -> bool:
-    return os.environ.get("STRATA_FUSED_DECODE", "") not in ("0", "false", "off")
+    return not switched_off("STRATA_FUSED_DECODE")
 
 
 def _projection(m) -> tuple[str, np.ndarray, np.ndarray, np.ndarray, int] | None:

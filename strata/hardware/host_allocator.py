@@ -22,6 +22,8 @@ import ctypes.util
 import logging
 import os
 
+from strata.env_switch import switched_off
+
 logger = logging.getLogger(__name__)
 
 ENV = "STRATA_HOST_MALLOC"
@@ -39,7 +41,7 @@ def keep_freed_memory() -> bool:
     if _done is not None:
         return _done
     _done = False
-    if os.environ.get(ENV, "") in ("0", "false", "off") or any(k in os.environ for k in USER_SETTINGS):
+    if switched_off(ENV) or any(k in os.environ for k in USER_SETTINGS):
         return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
