@@ -5,7 +5,7 @@ build.decode_first_cap as it is).
 While sequences decode, a step that also prefills makes every one of them wait for its prompt
 chunk: their inter-token latency is that mixed step's time. The start-up cap prices the chunk from
 one GEMM probe, but a shared VM's speed swings 1.5-2x within minutes: the same near-saturation
-serving run (smol-135m, Zen 4, cap 64) read ITL p99 328 ms one evening and 167-252 ms in five runs
+serving run (smol-135m, Zen 4, cap 64) read ITL p99 328 ms one evening and 167-252 ms in three runs
 the next morning. So a step observer learns from the engine's own steps:
 
   decode_s[rows]  EWMA of decode-only forward seconds, per count of decoding rows

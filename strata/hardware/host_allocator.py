@@ -8,7 +8,7 @@ request on the Zen 4 dev VM, and each decode step faults its logits row. With th
 at glibc's maximum (32 MiB) and trimming only past TRIM_BYTES, freed blocks stay in the heap and
 the next step reuses them: 2-50 faults per request there, and that prompt's prefill (bf16
 weights, LLM.generate, five requests per process, processes run one after the other) took
-1,240-1,330 ms against 1,525-1,820 without. The price: the process keeps its peak activation
+1,240-1,370 ms from the second request on, against 1,480-1,860 without. The price: the process keeps its peak activation
 memory (as a GPU caching allocator does).
 
 Skipped where the C library is not glibc, where the user set MALLOC_MMAP_THRESHOLD_,
