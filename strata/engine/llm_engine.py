@@ -22,6 +22,7 @@ from strata.engine.request import CompletionOutput, Request, RequestOutput, SeqS
 from strata.engine.sampler import SamplerOutput
 from strata.engine.sampling_params import SamplingParams
 from strata.errors import RequestError
+from strata.graph import cpu_decode
 from strata.memory.blocks import KVUsage
 
 logger = logging.getLogger(__name__)
@@ -158,6 +159,7 @@ class LLMEngine:
         req = Request(request_id, prompt, list(prompt_ids), params)
         self.requests[request_id] = req
         self.scheduler.add_request(req)
+        cpu_decode.recheck_weights()  # the caller held control: weights may have changed
         return req
 
     def abort(self, request_id: str) -> RequestOutput | None:

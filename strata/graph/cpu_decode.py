@@ -9,8 +9,9 @@ SiLU MLP without a gate/up bias) whose four projections are single-device Linear
 weights) or QuantLinear (int8 / int4) modules; otherwise (Gemma 3, Qwen3's q/k norms, Phi-4-mini's
 partial rotary, tensor-parallel shards, GeGLU) every layer runs eagerly. The layers' arguments
 (numpy views of weights, norms, biases, KV caches, kernel choice) are built once per model and row
-count, and rebuilt when a parameter or buffer is replaced or moved or the caches change: checked
-once per step, not per layer. STRATA_FUSED_DECODE=0 turns it off (the eager per-kernel path,
+count, and rebuilt when a parameter or buffer is replaced or moved or the caches change: the caches
+checked every step, the parameters and buffers on the first step after a request was added
+(`recheck_weights`), never per layer. STRATA_FUSED_DECODE=0 turns it off (the eager per-kernel path,
 e.g. to compare).
 """
 
@@ -138,14 +139,16 @@ class FusedDecodeStep:
             return None
         return FusedDecodeStep(model, x.shape[0], meta)
 
-    def run(self, model, x: torch.Tensor, rope, kv_caches) -> tuple | None:
+    def run(self, model, x: torch.Tensor, positions: torch.Tensor, kv_caches) -> tuple | None:
         """(MLP branch, residual) after every layer, or None when some layer cannot run fused
         (then every layer runs eagerly)."""
         layers = _cached_stack(model, kv_caches, self.rows)
         if layers is None:
             return None
-        # [rows, 1, d] rows of the rotary table (contiguous: index_select) as [rows, d]
-        cos, sin = (np.ascontiguousarray(t.numpy().reshape(self.rows, -1)) for t in rope)
+        # the rotary table's rows at the step's positions, [rows, head_dim] each (what
+        # model.rotary(positions) gives the eager layers, without its torch ops and views)
+        pos = positions.numpy()
+        cos, sin = model.rotary.cos.numpy()[pos], model.rotary.sin.numpy()[pos]
         cpu_decode_layer.decode_layers(x.contiguous().numpy(), layers, (cos, sin) + self.common)
         return self.out_t, self.res_t
 
@@ -176,16 +179,29 @@ def _kv_views(kv_cache: torch.Tensor) -> tuple | None:
     return kv_cache[0].numpy(), kv_cache[1].numpy()
 
 
+_weights_epoch = 0  # bumped by recheck_weights; a cached stack remembers the epoch it was checked at
+
+
+def recheck_weights() -> None:
+    """Have every model's next fused step check its layers' parameters and buffers again (the
+    engine calls this when a request is added: the caller held control and may have changed a
+    weight)."""
+    global _weights_epoch
+    _weights_epoch += 1
+
+
 def _cached_stack(model, kv_caches, rows: int) -> tuple | None:
     """((own, K, V) of every layer) for a step of `rows`, or None when some layer cannot run fused;
-    cached on the model and checked once per step (every parameter and buffer of every layer in
-    place, the same cache tensors): ~0.15 ms a smol-135m step, where checking, building argument
-    tuples and calling layer by layer cost several times that."""
+    cached on the model. The cache tensors are compared every step; the parameters and buffers
+    (all in place?) after `recheck_weights` only: that check reads ~300 tensors whose memory the
+    step's weight stream evicted from the caches, ~0.16 ms of a 6-8 ms smol-135m int8 step, and
+    between two steps of the engine's own loop nothing else runs that could change a weight."""
     cache = model.__dict__.get("_fused_decode_stack")
     if (cache is None or len(cache[1]) != len(kv_caches) or not all(a is b for a, b in zip(cache[1], kv_caches))
-            or not cache[0].unchanged()):
-        cache = (_Snapshot(m for layer in model.layers for m in layer.modules()), tuple(kv_caches), {})
+            or (cache[3] != _weights_epoch and not cache[0].unchanged())):
+        cache = [_Snapshot(m for layer in model.layers for m in layer.modules()), tuple(kv_caches), {}, 0]
         model.__dict__["_fused_decode_stack"] = cache
+    cache[3] = _weights_epoch
     by_rows = cache[2]
     if rows not in by_rows:
         stack = []

@@ -204,17 +204,17 @@ class CausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         if self.config.embed_scale is not None:  # Gemma: the scale in the weights' dtype, as transformers
             x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
-        rope = self.rotary(positions, x.dtype)
-        local = self.rotary_local(positions, x.dtype) if self.rotary_local is not None else rope
         residual = None
         fused = FusedDecodeStep.start(self, x, meta, kv_caches)  # CPU decode: the layers in one loop
-        out = None if fused is None else fused.run(self, x, rope, kv_caches)
+        out = None if fused is None else fused.run(self, x, positions, kv_caches)
         if out is not None:
             hidden = fused.final_norm(self.norm)  # on the step's buffers too
             if hidden is not None:
                 return hidden
             x, residual = out
         else:
+            rope = self.rotary(positions, x.dtype)
+            local = self.rotary_local(positions, x.dtype) if self.rotary_local is not None else rope
             for i, layer in enumerate(self.layers):
                 layer_rope = local if i in self.local_layers else rope
                 cache = None if kv_caches is None else kv_caches[i]
