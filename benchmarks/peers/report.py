@@ -178,7 +178,9 @@ def render_markdown(res: dict) -> str:
                  "--max-num-seqs), so TPOT compares the engines at one batch ceiling (Strata's default, 128, "
                  "trades TPOT for throughput: the throughput table's HTTP row)" if "max-num-seqs" in
                  sv.get("strata_cmd", "") and sv.get("llama_slots") else "")
-              + ". TTFT and TPOT ratios > 1 mean Strata is slower.\n")
+              + ". ITL = the gap between successive streamed chunks of a request, over every gap of "
+              "every request (TPOT is each request's mean gap). TTFT, TPOT and ITL ratios > 1 mean Strata "
+              "is slower.\n")
             w(serving_table(sv.get("points", [])) + "\n")
 
     f = findings(res)

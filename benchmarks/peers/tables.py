@@ -124,6 +124,7 @@ def serving_table(points: list[dict]) -> str:
                          f"{r.get('completed')}/{p['num_prompts']}", r.get("rps"), r.get("output_tps"),
                          (r.get("ttft_ms") or {}).get("p50"), (r.get("ttft_ms") or {}).get("p99"),
                          (r.get("tpot_ms") or {}).get("p50"), (r.get("tpot_ms") or {}).get("p99"),
+                         (r.get("itl_ms") or {}).get("p99"),
                          good, f"{r.get('good_requests')}/{r.get('completed')}", fmt_cpu(r.get("others_cpu"))])
         if len(by) == 2:
             s, ll = by["strata"], by["llama"]
@@ -134,9 +135,10 @@ def serving_table(points: list[dict]) -> str:
                 return fmt_ratio(ratio(a, b))
 
             rows.append(["", "Strata ÷ llama.cpp", "", rp("rps"), rp("output_tps"), rp("ttft_ms", "p50"),
-                         rp("ttft_ms", "p99"), rp("tpot_ms", "p50"), rp("tpot_ms", "p99"), rp("goodput"), "", ""])
+                         rp("ttft_ms", "p99"), rp("tpot_ms", "p50"), rp("tpot_ms", "p99"), rp("itl_ms", "p99"),
+                         rp("goodput"), "", ""])
     return md_table(["offered load", "engine", "done", "req/s", "output tok/s", "TTFT p50 ms",
-                     "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms", "goodput req/s", "within SLO",
+                     "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms", "ITL p99 ms", "goodput req/s", "within SLO",
                      "others' CPU"], rows)
 
 
@@ -171,5 +173,7 @@ def findings(res: dict) -> list[str]:
                 higher_better=False)
             add(f"{tag}, TPOT p50 vs llama.cpp", ratio(s["tpot_ms"].get("p50"), ll["tpot_ms"].get("p50")),
                 higher_better=False)
+            add(f"{tag}, ITL p99 vs llama.cpp", ratio((s.get("itl_ms") or {}).get("p99"),
+                                                      (ll.get("itl_ms") or {}).get("p99")), higher_better=False)
             add(f"{tag}, goodput vs llama.cpp", ratio(s.get("goodput"), ll.get("goodput")))
     return [f"Strata behind: {t}" for t in losses] + [f"Strata ahead or even: {t}" for t in wins]

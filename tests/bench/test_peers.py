@@ -116,11 +116,18 @@ def test_throughput_and_serving_tables() -> None:
     assert "best slot count" not in np64 and "| 1.25x |" in np64  # 100 / 80
     point = {"name": "low", "rate": 0.2, "num_prompts": 16}
     fig = {"completed": 16, "rps": 0.2, "output_tps": 30.0, "ttft_ms": {"p50": 200.0, "p99": 900.0},
-           "tpot_ms": {"p50": 50.0, "p99": 80.0}, "goodput": 0.2, "good_requests": 16}
-    slow = dict(fig, ttft_ms={"p50": 400.0, "p99": 900.0}, goodput=0.1, good_requests=8)
+           "tpot_ms": {"p50": 50.0, "p99": 80.0}, "itl_ms": {"p50": 48.0, "p99": 120.0}, "goodput": 0.2,
+           "good_requests": 16}
+    slow = dict(fig, ttft_ms={"p50": 400.0, "p99": 900.0}, itl_ms={"p50": 50.0, "p99": 360.0}, goodput=0.1,
+                good_requests=8)
     s = tables.serving_table([dict(point, strata=slow, llama=fig)])
+    assert "ITL p99 ms" in s.splitlines()[0]
     ratio_row = next(r for r in s.splitlines() if "Strata ÷ llama.cpp" in r)
     assert "| 2.00x |" in ratio_row and "| 0.50x |" in ratio_row  # TTFT p50 400/200; goodput 0.1/0.2
+    assert "| 3.00x |" in ratio_row  # ITL p99 360/120
+    tag = "smol serving at 0.2 req/s (low), ITL p99 vs llama.cpp: Strata ÷ peer = 3.00x"
+    assert f"Strata behind: {tag}" in tables.findings({"serving": {"smol": {"points": [
+        dict(point, strata=slow, llama=fig)]}}})
     assert "low (0.2 req/s, 16 req)" in s and "16/16" in s
 
 
