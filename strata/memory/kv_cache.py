@@ -21,7 +21,8 @@ from strata.model_config import ModelConfig
 # in 12 KiB blocks), and a KV block's pages are first touched in the middle of a step. No
 # MADV_HUGEPAGE: where THP defrag is "madvise", each 2 MiB fault compacts memory first (1.3 s for
 # the same 234 MiB there), a stall inside a step; shmem never got huge pages anyway.
-_PRIVATE_ANONYMOUS = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+# (0 where the platform has no such flags, e.g. Windows: its default mapping is used there.)
+_PRIVATE_ANONYMOUS = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
 
 
 def kv_cache_shape(cfg: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -45,7 +46,7 @@ def untouched_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str | to
     nbytes = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
-    region = mmap.mmap(-1, nbytes, flags=_PRIVATE_ANONYMOUS)
+    region = mmap.mmap(-1, nbytes, flags=_PRIVATE_ANONYMOUS) if _PRIVATE_ANONYMOUS else mmap.mmap(-1, nbytes)
     return torch.frombuffer(region, dtype=torch.uint8).view(dtype).view(shape)
 
 
