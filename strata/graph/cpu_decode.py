@@ -62,9 +62,10 @@ def _projection(m) -> tuple[str, np.ndarray, np.ndarray, np.ndarray, int] | None
 
 class _Snapshot:
     """Every parameter and buffer of some modules, as (owning dict, name, tensor, storage address),
-    kept column-wise so `unchanged` runs its comparisons in C (map over the columns). It runs once
-    per decode step over ~200-400 tensors: 54 vs 70 us for a Python loop over the rows (smol-135m
-    int8, warm caches; inside a step, after the weights streamed through the caches, ~3x that)."""
+    kept column-wise so `unchanged` runs its comparisons in C (map over the columns). It runs on the
+    first fused step after a request was added (`recheck_weights`) over ~200-400 tensors: 54 vs 70
+    us for a Python loop over the rows (smol-135m int8, warm caches; inside a step, after the
+    weights streamed through the caches, ~3-5x that)."""
 
     def __init__(self, modules) -> None:
         rows = [(d, name, t) for m in modules for d in (m._parameters, m._buffers)
@@ -192,7 +193,8 @@ def recheck_weights() -> None:
 
 def _cached_stack(model, kv_caches, rows: int) -> tuple | None:
     """((own, K, V) of every layer) for a step of `rows`, or None when some layer cannot run fused;
-    cached on the model. The cache tensors are compared every step; the parameters and buffers
+    cached on the model as [snapshot, cache tensors, {rows: stack}, epoch last checked at]. The
+    cache tensors are compared every step; the parameters and buffers
     (all in place?) after `recheck_weights` only: that check reads ~300 tensors whose memory the
     step's weight stream evicted from the caches, ~0.16 ms of a 6-8 ms smol-135m int8 step, and
     between two steps of the engine's own loop nothing else runs that could change a weight."""
