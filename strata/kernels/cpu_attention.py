@@ -29,7 +29,7 @@ def available() -> bool:
 
 
 if numba is not None:
-    from strata.kernels.cpu_attention_rows import pv_accumulate, qk_dots
+    from strata.kernels.cpu_attention_rows import pv_rows, qk_scores
 
     _LOG2E = np.float32(1.4426950408889634)
     _LN2 = np.float32(0.6931471805599453)
@@ -55,7 +55,7 @@ if numba is not None:
 
     @njit(fastmath=True, cache=True, inline="always")
     def _qk_scalar(q, q_row, k_cache, k_row, scores, t, scale):  # pragma: no cover - compiled
-        """qk_dots for a head_dim that is not a multiple of 16."""
+        """qk_scores for one key, for a head_dim that is not a multiple of 16."""
         qf, kf = q.reshape(-1, q.shape[-1]), k_cache.reshape(-1, k_cache.shape[-1])
         for g in range(scores.shape[0]):
             s = np.float32(0.0)
@@ -65,7 +65,7 @@ if numba is not None:
 
     @njit(fastmath=True, cache=True, inline="always")
     def _pv_scalar(scores, t, v_cache, v_row, acc):  # pragma: no cover - compiled
-        """pv_accumulate for a head_dim that is not a multiple of 16."""
+        """pv_rows for one key, for a head_dim that is not a multiple of 16."""
         vf = v_cache.reshape(-1, v_cache.shape[-1])
         for g in range(acc.shape[0]):
             p = scores[g, t]
@@ -119,11 +119,11 @@ if numba is not None:
             rows = np.empty(n, np.int64)
             _key_rows(tables[b], start, stop, block, kv_heads, rows)
             scores = np.empty((kv_heads, group, n), np.float32)
-            for t in range(n):
-                for kh in range(kv_heads):
-                    if vector:
-                        qk_dots(q, b * heads + kh * group, k_cache, rows[t] + kh, scores[kh], t, scale)
-                    else:
+            if vector:
+                qk_scores(q, b * heads, k_cache, rows, scores, scale)
+            else:
+                for t in range(n):
+                    for kh in range(kv_heads):
                         _qk_scalar(q, b * heads + kh * group, k_cache, rows[t] + kh, scores[kh], t, scale)
             bits = np.empty(n, np.int32)
             for kh in range(kv_heads):
@@ -140,11 +140,11 @@ if numba is not None:
                         total += sc[t]
                     part_max[item, kh, g] = m
                     part_sum[item, kh, g] = total
-            for t in range(n):
-                for kh in range(kv_heads):
-                    if vector:
-                        pv_accumulate(scores[kh], t, v_cache, rows[t] + kh, part_acc[item, kh])
-                    else:
+            if vector:
+                pv_rows(scores, v_cache, rows, part_acc[item])
+            else:
+                for t in range(n):
+                    for kh in range(kv_heads):
                         _pv_scalar(scores[kh], t, v_cache, rows[t] + kh, part_acc[item, kh])
         for bh in prange(batch * heads):  # merge each head's parts: rescale to the common max
             b, h = bh // heads, bh % heads

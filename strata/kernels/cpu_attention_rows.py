@@ -1,9 +1,10 @@
 """Explicit LLVM vector IR for the CPU decode attention's K and V rows (cpu_attention.py).
 
 numba's own loops over a 64-float row (a dot per query head, an axpy per value row) measured ~55
-cycles a row dot on the Zen 4, several times what <16 x float> steps take: each cached row is
-loaded once per 16 columns and reused for every query head of its KV group. Generic vector IR
-(AVX-512, AVX2 or NEON). Import only where numba is available.
+cycles a row dot on the Zen 4, several times what <16 x float> steps take. Each call covers every
+key of a sequence part: keys in passes of 16 (all KV heads of a pass before the next), scores
+of 16 keys reduced together, output rows held in registers while value rows go by. Generic vector
+IR (AVX-512, AVX2 or NEON). Import only where numba is available.
 """
 
 from __future__ import annotations
@@ -28,67 +29,192 @@ def _i64(context, builder, signature, args, i):
     return context.cast(builder, args[i], signature.args[i], types.int64)
 
 
-@intrinsic
-def qk_dots(typingctx, q, q_row, k_cache, k_row, scores, t, scale):  # pragma: no cover - compiled
-    """scores[g, t] = scale * (q row q_row + g) . (k_cache row k_row) for g < scores.shape[0].
+def _reduce16(builder, vecs):
+    """16 <16 x float> vectors -> one whose lane i is the sum of vecs[i]'s lanes (transpose-add:
+    15 shuffle pairs and adds for 16 dots, where a horizontal sum each costs ~8 ops a dot)."""
+    i32 = ir.IntType(32)
+    level = list(vecs)
+    keys = 1  # keys per vector; each key's partial sums fill a run of 16 // keys lanes
+    while len(level) > 1:
+        run = _VL // keys
+        lo = [j * run + i for j in range(keys) for i in range(run // 2)]
+        hi = [x + run // 2 for x in lo]
+        lo_mask = ir.Constant(ir.VectorType(i32, _VL), lo + [_VL + x for x in lo])
+        hi_mask = ir.Constant(ir.VectorType(i32, _VL), hi + [_VL + x for x in hi])
+        level = [
+            builder.fadd(builder.shuffle_vector(a, b, lo_mask), builder.shuffle_vector(a, b, hi_mask), flags=_FAST)
+            for a, b in zip(level[0::2], level[1::2])
+        ]
+        keys *= 2
+    return level[0]
 
-    Rows count in units of head_dim (the last axis) over the C-contiguous arrays flattened, so a
-    KV group's query heads and one cached key row are addressed without building views. The key
-    row is loaded once per 16 columns and reused by every query head of the group. head_dim must
-    be a multiple of 16 (the caller checks)."""
-    if not (_c_f32(q, k_cache, scores) and _ints(q_row, k_row, t) and isinstance(scale, types.Float)):
+
+def _c_i64(a) -> bool:
+    return isinstance(a, types.Array) and a.dtype == types.int64 and a.layout == "C" and a.ndim == 1
+
+
+_AHEAD = 4  # prefetch distance in passes: 2 and 8 measured slower on the Zen 4 dev VM
+_BLOCK_KEYS = 16  # keys per pass: all KV heads of these keys are read before the next keys (one
+# cache block's rows, contiguous), and a pass's value rows stay in L1 while every query head uses them
+
+def _prefetch(builder, data, index):
+    """Hint the cache line holding data[index] into every cache level (read)."""
+    i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+    fn = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), "llvm.prefetch.p0"
+    )
+    ptr = builder.bitcast(builder.gep(data, [index], inbounds=True), i8p)
+    builder.call(fn, [ptr, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+
+
+def _prefetch_keys(builder, data, rows_data, t0, n, row_floats):
+    """Prefetch the cache rows (every KV head: `row_floats` floats from each key's head-0 row) of
+    the _BLOCK_KEYS keys after the pass starting at t0, where they exist (a block read ahead:
+    random 12 KiB cache blocks from DRAM measured ~12 GB/s without it)."""
+    i64 = ir.IntType(64)
+    start = builder.add(t0, ir.Constant(i64, _BLOCK_KEYS * _AHEAD))
+    stop = builder.select(builder.icmp_signed("<", builder.add(start, ir.Constant(i64, _BLOCK_KEYS)), n),
+                          builder.add(start, ir.Constant(i64, _BLOCK_KEYS)), n)
+    with cgutils.for_range_slice(builder, start, stop, ir.Constant(i64, 1)) as (t, _):
+        first = builder.mul(builder.load(builder.gep(rows_data, [t], inbounds=True)), row_floats)
+        with cgutils.for_range_slice(builder, ir.Constant(i64, 0), row_floats, ir.Constant(i64, 16)) as (c, _):
+            _prefetch(builder, data, builder.add(first, c))
+
+
+
+def _c_f32_3d(a) -> bool:
+    return _c_f32(a) and a.ndim == 3
+
+
+@intrinsic
+def qk_scores(typingctx, q, q_row, k_cache, rows, scores, scale):  # pragma: no cover - compiled
+    """scores[h, g, t] = scale * (q row q_row + h * G + g) . (k_cache row rows[t] + h) for every KV
+    head h, query head g < G of its group and key t < n (scores [kv_heads, G, n]; rows count in
+    units of head_dim over the C-contiguous arrays flattened, rows[t] is key t's row for head 0).
+
+    Keys go 16 at a time, every KV head of them before the next 16 (their rows are contiguous in
+    the cache); per query head one accumulator per key over head_dim in 16-float steps (the query
+    chunk loaded once for the 16 keys), then one transpose-add turns the 16 accumulators into 16
+    scores. The last n % 16 keys take a horizontal sum each. head_dim % 16 == 0 (caller checks)."""
+    if not (_c_f32(q, k_cache) and _c_f32_3d(scores) and _c_i64(rows) and _ints(q_row)
+            and isinstance(scale, types.Float)):
         return None
-    sig = types.none(q, q_row, k_cache, k_row, scores, t, scale)
+    sig = types.none(q, q_row, k_cache, rows, scores, scale)
 
     def codegen(context, builder, signature, args):
-        qa, ka, sa = (context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 2, 4))
-        q_row_v, k_row_v, t_v = (_i64(context, builder, signature, args, i) for i in (1, 3, 5))
-        scale_v = context.cast(builder, args[6], signature.args[6], types.float32)
+        qa, ka, ra, sa = (context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 2, 3, 4))
+        q_row_v = _i64(context, builder, signature, args, 1)
+        scale_s = context.cast(builder, args[5], signature.args[5], types.float32)
         f32, vf, _, zero = _vec_consts()
+        scale_v = _splat(builder, scale_s, vf)
         i64 = ir.IntType(64)
+        c0, c1, c16 = ir.Constant(i64, 0), ir.Constant(i64, 1), ir.Constant(i64, _VL)
         dim = cgutils.unpack_tuple(builder, qa.shape)[-1]
-        group, width = cgutils.unpack_tuple(builder, sa.shape, 2)
-        k0 = builder.mul(k_row_v, dim)
-        with cgutils.for_range(builder, group) as g_loop:
-            g = g_loop.index
-            q0 = builder.mul(builder.add(q_row_v, g), dim)
-            acc = cgutils.alloca_once_value(builder, zero)
-            with cgutils.for_range_slice(builder, ir.Constant(i64, 0), dim, ir.Constant(i64, _VL)) as (c, _):
-                prod = builder.fmul(_vload(builder, qa.data, builder.add(q0, c), vf),
-                                    _vload(builder, ka.data, builder.add(k0, c), vf), flags=_FAST)
-                builder.store(builder.fadd(builder.load(acc), prod, flags=_FAST), acc)
-            dot = builder.fmul(_hsum(builder, builder.load(acc)), scale_v, flags=_FAST)
-            builder.store(dot, builder.gep(sa.data, [builder.add(builder.mul(g, width), t_v)], inbounds=True))
+        kv_heads, group, n = cgutils.unpack_tuple(builder, sa.shape, 3)
+        n16 = builder.and_(n, ir.Constant(i64, -_VL))
+        accs = [cgutils.alloca_once_value(builder, zero) for _ in range(_VL)]
+
+        def key_base(t, h):
+            row = builder.load(builder.gep(ra.data, [t], inbounds=True))
+            return builder.mul(builder.add(row, h), dim)
+
+        def q_base(h, g):
+            return builder.mul(builder.add(q_row_v, builder.add(builder.mul(h, group), g)), dim)
+
+        def score_index(h, g, t):
+            return builder.add(builder.mul(builder.add(builder.mul(h, group), g), n), t)
+
+        row_floats = builder.mul(kv_heads, dim)
+        with cgutils.for_range_slice(builder, c0, n16, c16) as (t0, _):
+            _prefetch_keys(builder, ka.data, ra.data, t0, n, row_floats)
+            with cgutils.for_range(builder, kv_heads) as h_loop:
+                h = h_loop.index
+                bases = [key_base(builder.add(t0, ir.Constant(i64, i)), h) for i in range(_VL)]
+                with cgutils.for_range(builder, group) as g_loop:
+                    g = g_loop.index
+                    q0 = q_base(h, g)
+                    for acc in accs:
+                        builder.store(zero, acc)
+                    with cgutils.for_range_slice(builder, c0, dim, c16) as (c, _):
+                        qv = _vload(builder, qa.data, builder.add(q0, c), vf)
+                        for base, acc in zip(bases, accs):
+                            prod = builder.fmul(qv, _vload(builder, ka.data, builder.add(base, c), vf), flags=_FAST)
+                            builder.store(builder.fadd(builder.load(acc), prod, flags=_FAST), acc)
+                    dots = builder.fmul(_reduce16(builder, [builder.load(a) for a in accs]), scale_v, flags=_FAST)
+                    out = builder.gep(sa.data, [score_index(h, g, t0)], inbounds=True)
+                    builder.store(dots, builder.bitcast(out, vf.as_pointer()), align=4)
+        with cgutils.for_range_slice(builder, n16, n, c1) as (t, _):
+            with cgutils.for_range(builder, kv_heads) as h_loop:
+                h = h_loop.index
+                base = key_base(t, h)
+                with cgutils.for_range(builder, group) as g_loop:
+                    g = g_loop.index
+                    q0 = q_base(h, g)
+                    builder.store(zero, accs[0])
+                    with cgutils.for_range_slice(builder, c0, dim, c16) as (c, _):
+                        prod = builder.fmul(_vload(builder, qa.data, builder.add(q0, c), vf),
+                                            _vload(builder, ka.data, builder.add(base, c), vf), flags=_FAST)
+                        builder.store(builder.fadd(builder.load(accs[0]), prod, flags=_FAST), accs[0])
+                    dot = builder.fmul(_hsum(builder, builder.load(accs[0])), scale_s, flags=_FAST)
+                    builder.store(dot, builder.gep(sa.data, [score_index(h, g, t)], inbounds=True))
         return context.get_dummy_value()
 
     return sig, codegen
 
 
+_PV_UNROLL = 4  # 16-float chunks of an output row held in registers while a pass's keys go by
+
+
 @intrinsic
-def pv_accumulate(typingctx, scores, t, v_cache, v_row, acc):  # pragma: no cover - compiled
-    """acc[g] += scores[g, t] * (v_cache row v_row) for g < acc.shape[0] (rows as in qk_dots); the
-    value row is loaded once per 16 columns for every query head. head_dim % 16 == 0."""
-    if not (_c_f32(scores, v_cache, acc) and _ints(t, v_row)):
+def pv_rows(typingctx, scores, v_cache, rows, acc):  # pragma: no cover - compiled
+    """acc[h, g] += sum_t scores[h, g, t] * (v_cache row rows[t] + h) for every KV head h, query
+    head g < G and key t < n (scores [kv_heads, G, n], acc [kv_heads, G, head_dim]; rows as in
+    qk_scores). Keys go _BLOCK_KEYS at a time, every head of them before the next keys; per
+    query head, 64 columns of acc stay in registers while the pass's value rows go by (then the
+    next 64; a 16-column step for the rest). head_dim % 16 == 0 (caller checks)."""
+    if not (_c_f32(v_cache) and _c_f32_3d(scores) and _c_f32_3d(acc) and _c_i64(rows)):
         return None
-    sig = types.none(scores, t, v_cache, v_row, acc)
+    sig = types.none(scores, v_cache, rows, acc)
 
     def codegen(context, builder, signature, args):
-        sa, va, aa = (context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 2, 4))
-        t_v, v_row_v = (_i64(context, builder, signature, args, i) for i in (1, 3))
-        f32, vf, _, _ = _vec_consts()
+        sa, va, ra, aa = (context.make_array(signature.args[i])(context, builder, args[i]) for i in range(4))
+        f32, vf, _, zero = _vec_consts()
         i64 = ir.IntType(64)
-        group, dim = cgutils.unpack_tuple(builder, aa.shape, 2)
-        width = cgutils.unpack_tuple(builder, sa.shape, 2)[1]
-        v0 = builder.mul(v_row_v, dim)
-        with cgutils.for_range(builder, group) as g_loop:
-            g = g_loop.index
-            p = builder.load(builder.gep(sa.data, [builder.add(builder.mul(g, width), t_v)], inbounds=True))
-            pv = _splat(builder, p, vf)
-            a0 = builder.mul(g, dim)
-            with cgutils.for_range_slice(builder, ir.Constant(i64, 0), dim, ir.Constant(i64, _VL)) as (c, _):
-                ptr = builder.bitcast(builder.gep(aa.data, [builder.add(a0, c)], inbounds=True), vf.as_pointer())
-                prod = builder.fmul(pv, _vload(builder, va.data, builder.add(v0, c), vf), flags=_FAST)
-                builder.store(builder.fadd(builder.load(ptr, align=4), prod, flags=_FAST), ptr, align=4)
+        c0, c1 = ir.Constant(i64, 0), ir.Constant(i64, 1)
+        kv_heads, group, n = cgutils.unpack_tuple(builder, sa.shape, 3)
+        dim = cgutils.unpack_tuple(builder, aa.shape, 3)[2]
+        wide = _PV_UNROLL * _VL
+        dim_wide = builder.and_(dim, ir.Constant(i64, -wide))
+        regs = [cgutils.alloca_once_value(builder, zero) for _ in range(_PV_UNROLL)]
+        block = ir.Constant(i64, _BLOCK_KEYS)
+
+        def accumulate(a0, s0, h, c, t0, t1, chunks):
+            ptrs = [builder.bitcast(builder.gep(aa.data, [builder.add(a0, ir.Constant(i64, u * _VL))], inbounds=True),
+                                    vf.as_pointer()) for u in range(chunks)]
+            for ptr, reg in zip(ptrs, regs):
+                builder.store(builder.load(ptr, align=4), reg)
+            with cgutils.for_range_slice(builder, t0, t1, c1) as (t, _):
+                p = _splat(builder, builder.load(builder.gep(sa.data, [builder.add(s0, t)], inbounds=True)), vf)
+                row = builder.load(builder.gep(ra.data, [t], inbounds=True))
+                base = builder.add(builder.mul(builder.add(row, h), dim), c)
+                for u, reg in enumerate(regs[:chunks]):
+                    v = _vload(builder, va.data, builder.add(base, ir.Constant(i64, u * _VL)), vf)
+                    builder.store(builder.fadd(builder.load(reg), builder.fmul(p, v, flags=_FAST), flags=_FAST), reg)
+            for ptr, reg in zip(ptrs, regs):
+                builder.store(builder.load(reg), ptr, align=4)
+
+        with cgutils.for_range_slice(builder, c0, n, block) as (t0, _):
+            t1 = builder.select(builder.icmp_signed("<", builder.add(t0, block), n), builder.add(t0, block), n)
+            _prefetch_keys(builder, va.data, ra.data, t0, n, builder.mul(kv_heads, dim))
+            with cgutils.for_range(builder, kv_heads) as h_loop:
+                h = h_loop.index
+                with cgutils.for_range(builder, group) as g_loop:
+                    hg = builder.add(builder.mul(h, group), g_loop.index)
+                    row0, s0 = builder.mul(hg, dim), builder.mul(hg, n)
+                    with cgutils.for_range_slice(builder, c0, dim_wide, ir.Constant(i64, wide)) as (c, _):
+                        accumulate(builder.add(row0, c), s0, h, c, t0, t1, _PV_UNROLL)
+                    with cgutils.for_range_slice(builder, dim_wide, dim, ir.Constant(i64, _VL)) as (c, _):
+                        accumulate(builder.add(row0, c), s0, h, c, t0, t1, 1)
         return context.get_dummy_value()
 
     return sig, codegen

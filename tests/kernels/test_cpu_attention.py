@@ -21,7 +21,8 @@ pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="numba not
         (9, 3, 64, 16, [700]),  # one long sequence: its keys split across threads, parts merged
         (14, 2, 64, 16, [129, 300]),  # two sequences, parts of unequal length
         (4, 2, 24, 8, [150]),  # head_dim not a multiple of 16: the scalar row loops
-        (8, 8, 80, 16, [300, 2]),
+        (8, 8, 80, 16, [300, 2]),  # 64 columns in registers, then one 16-column step
+        (7, 1, 48, 16, [45, 90, 16]),  # 16-column steps only; 16-key passes plus tails
     ],
 )
 def test_paged_decode_matches_torch(heads, kv_heads, dim, block, lens):
