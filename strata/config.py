@@ -53,6 +53,9 @@ def parse_bytes(value: int | float | str, field: str) -> int:
     return n
 
 
+KV_CACHE_DTYPES = ("auto", "bfloat16")
+
+
 @dataclass
 class EngineConfig:
     """Everything the engine needs to start; validated at construction."""
@@ -64,6 +67,9 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_memory: int | str | None = None  # bytes or "4GiB"; None = fraction of free memory
     memory_fraction: float = 0.5  # of free memory, used when kv_cache_memory is None
+    # auto = the model's dtype; bfloat16 = K/V stored in bf16 whatever the model computes in (CPU:
+    # half the bytes decode attention reads, twice the tokens per GiB; llama.cpp's default is f16)
+    kv_cache_dtype: str = "auto"
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     # decode-first: while sequences decode, prefill at most this many tokens a step (None = auto:
@@ -116,6 +122,17 @@ class EngineConfig:
             raise ConfigError(f"max_model_len: must be a positive integer, got {self.max_model_len!r}")
         if self.kv_cache_memory is not None:
             self.kv_cache_memory = parse_bytes(self.kv_cache_memory, "kv_cache_memory")
+        self.kv_cache_dtype = {"bf16": "bfloat16"}.get(self.kv_cache_dtype, self.kv_cache_dtype)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(
+                f"kv_cache_dtype: {self.kv_cache_dtype!r} is not implemented; choose auto (the model's dtype) "
+                "or bfloat16"
+            )
+        if self.kv_cache_dtype != "auto" and self.device != "cpu":
+            raise ConfigError(
+                f"kv_cache_dtype: {self.kv_cache_dtype} is implemented on CPU only; on {self.device} the KV "
+                "cache takes the model's dtype (for a bf16 cache there, run the model with --dtype bfloat16)"
+            )
         if not 0.0 < self.memory_fraction <= 1.0:
             raise ConfigError(f"memory_fraction: must be in (0, 1], got {self.memory_fraction}")
         if self.attention_backend not in ("auto", "torch", "sdpa", "cpu", "triton"):

@@ -51,6 +51,9 @@ FLAGS: tuple[_Flag, ...] = (
           "memory; pages become resident only as blocks are used"),
     _Flag("memory_fraction", "share of free memory for the KV cache when --kv-cache-memory is unset",
           type=float),
+    _Flag("kv_cache_dtype", "KV cache storage: auto (the model's dtype) | bfloat16 (CPU: K/V rounded to bf16 "
+          "as written, read back exactly; half the bytes decode attention streams, twice the tokens per GiB)",
+          choices=("auto", "bfloat16", "bf16")),
     _Flag("block_size", "tokens per KV block", type=int),
     _Flag("max_num_seqs", "most sequences running at once", type=int),
     _Flag("max_num_batched_tokens", "token budget of one step (prefill chunks + decodes)", type=int),

@@ -267,6 +267,11 @@ def capture(model, forward, kv_caches, blocks: BlockManager, backend, config: En
 # --- memory -----------------------------------------------------------------------------------------
 
 
+def kv_dtype(config: EngineConfig, dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's storage dtype: the model's (`dtype`) unless kv_cache_dtype names another."""
+    return dtype if config.kv_cache_dtype == "auto" else getattr(torch, config.kv_cache_dtype)
+
+
 def host_pool(config: EngineConfig, plan: MemoryPlan, cfg: ModelConfig, dtype: torch.dtype) -> HostBlockPool | None:
     """Swap space for preempted sequences (none in recompute mode)."""
     if config.preemption_mode == "recompute":
@@ -288,28 +293,31 @@ def kv_memory(config: EngineConfig, cfg: ModelConfig, dtype: torch.dtype, max_mo
               agree: Callable[[int], int] | None = None):
     """The memory plan, the block manager (device blocks, scratch block, host pool) and the KV
     cache tensors it hands out. `cfg` is this rank's (its share of the heads, with tensor
-    parallelism); `agree(num_blocks)` makes every rank use the same block count (the smallest)."""
+    parallelism); `dtype` the model's (the cache's is kv_dtype of it); `agree(num_blocks)` makes
+    every rank use the same block count (the smallest)."""
+    cache_dtype = kv_dtype(config, dtype)
     if config.kv_cache_memory is not None:  # after loading: the weights are already counted out
         check_fits("kv_cache_memory", "--kv-cache-memory", config.kv_cache_memory, config.device,
                    f"the default sizes the cache from max_num_seqs x max_model_len, capped at "
                    f"{config.memory_fraction:.0%} of available memory")
     plan = plan_memory(
         cfg, dtype, config.block_size, max_model_len, config.max_num_seqs, config.kv_cache_memory,
-        config.memory_fraction, config.device, config.quantization, config.quantization_group_size,
+        config.memory_fraction, config.device, config.quantization, config.quantization_group_size, cache_dtype,
     )
     if agree is not None:
         plan = dataclasses.replace(plan, num_blocks=agree(plan.num_blocks))
     blocks = BlockManager(
         plan.num_blocks, config.block_size, config.enable_prefix_caching,
         scratch_block=config.compile or config.cuda_graphs,  # padded rows of a captured decode step
-        host_pool=host_pool(config, plan, cfg, dtype),
+        host_pool=host_pool(config, plan, cfg, cache_dtype),
     )
-    kv_caches = allocate_kv_cache(cfg, blocks.num_device_blocks, config.block_size, dtype, config.device)
+    kv_caches = allocate_kv_cache(cfg, blocks.num_device_blocks, config.block_size, cache_dtype, config.device)
     sized = ("kv_cache_memory" if config.kv_cache_memory is not None else
              f"max_num_seqs x max_model_len, capped at {config.memory_fraction:.0%} of available memory")
     logger.info(
-        "KV cache reserved: %s (%d blocks of %d tokens; sized from %s; pages resident only as used); "
-        "prefix caching %s", fmt_bytes(plan.kv_cache_bytes), plan.num_blocks, config.block_size, sized,
+        "KV cache reserved: %s (%s, %d blocks of %d tokens; sized from %s; pages resident only as used); "
+        "prefix caching %s", fmt_bytes(plan.kv_cache_bytes), str(cache_dtype).removeprefix("torch."), plan.num_blocks,
+        config.block_size, sized,
         "on" if config.enable_prefix_caching else "off",
     )
     return plan, blocks, kv_caches
@@ -393,7 +401,7 @@ def draft_proposer(config: EngineConfig, target: ModelConfig, dtype: torch.dtype
                           f"positions, fewer than max_model_len ({max_len}); lower --max-model-len or pick a "
                           "draft model with a longer context")
     model = load(ckpt, dtype, config.device, max_len)
-    one = kv_bytes_per_token(cfg, dtype) * max_len
+    one = kv_bytes_per_token(cfg, kv_dtype(config, dtype)) * max_len
     budget = max(one, min(DRAFT_KV_BYTES, one * config.max_num_seqs))
     draft_cfg = dataclasses.replace(config, kv_cache_memory=budget, preemption_mode="recompute",
                                     quantization=None, enable_prefix_caching=False)

@@ -24,7 +24,7 @@ import torch
 
 from strata.env_switch import switched_off
 from strata.graph.layers import Linear, RMSNorm
-from strata.kernels import cpu_decode_layer, cpu_gemv
+from strata.kernels import cpu_attention, cpu_decode_layer, cpu_gemv, cpu_rope
 from strata.kernels.attention import AttentionMetadata
 from strata.kernels.cpu_decode_layer import NO_ARRAY, uses_vnni
 from strata.kernels.dispatch import KERNEL_MODE
@@ -135,8 +135,7 @@ class FusedDecodeStep:
             and model.rotary_local is None  # one rotary table for every layer
         ):
             return None
-        cache = kv_caches[0]
-        if cache.dtype is not torch.float32 or not cache.is_cpu:
+        if not cpu_rope.usable(x, kv_caches[0]):  # fp32 or bf16 (kv_cache_dtype) CPU cache the kernels read
             return None
         return FusedDecodeStep(model, x.shape[0], meta)
 
@@ -174,10 +173,9 @@ def _norm_args(norm) -> tuple | None:
 
 
 def _kv_views(kv_cache: torch.Tensor) -> tuple | None:
-    """(K, V) numpy views of one layer's fp32 cache tensor, or None when the kernels cannot read it."""
-    if not (kv_cache.is_cpu and kv_cache.is_contiguous() and kv_cache.dtype is torch.float32):
-        return None
-    return kv_cache[0].numpy(), kv_cache[1].numpy()
+    """(K, V) numpy views of one layer's cache tensor (fp32, or a bf16 cache's bit patterns), or None
+    when the kernels cannot read it."""
+    return cpu_attention.cache_views(kv_cache) if cpu_attention.reads_cache(kv_cache) else None
 
 
 _weights_epoch = 0  # bumped by recheck_weights; a cached stack remembers the epoch it was checked at

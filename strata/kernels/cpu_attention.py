@@ -168,15 +168,29 @@ if numba is not None:
                 out[b, h, d] *= inv
 
 
+def reads_cache(kv_cache: torch.Tensor) -> bool:
+    """A contiguous CPU cache the kernels read: fp32, or bf16 (kv_cache_dtype) with a head_dim that
+    is a multiple of 16 (the vector row loops widen it; the scalar ones read fp32 only)."""
+    return kv_cache.is_cpu and kv_cache.is_contiguous() and (
+        kv_cache.dtype is torch.float32 or (kv_cache.dtype is torch.bfloat16 and kv_cache.shape[-1] % 16 == 0))
+
+
 def usable(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     return (
         KERNEL_MODE.get().fast_paths
         and numba is not None
         and q.device.type == "cpu"
         and q.dtype == torch.float32
-        and kv_cache.dtype == torch.float32
-        and kv_cache.is_contiguous()
+        and reads_cache(kv_cache)
     )
+
+
+def cache_views(kv_cache: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """(K, V) numpy views of one layer's cache: fp32 as is, bf16 as its bit patterns (uint16)."""
+    if kv_cache.dtype == torch.bfloat16:
+        bits = kv_cache.view(torch.int16).numpy().view(np.uint16)
+        return bits[0], bits[1]
+    return kv_cache[0].numpy(), kv_cache[1].numpy()
 
 
 @kernel("paged_decode")
@@ -189,8 +203,9 @@ def paged_decode(
     q = q.contiguous()
     out = torch.empty_like(q)
     cpu_gemv.sync_threads()
+    k_cache, v_cache = cache_views(kv_cache)
     _paged_decode(
-        q.numpy(), kv_cache[0].numpy(), kv_cache[1].numpy(), block_tables.numpy(),
+        q.numpy(), k_cache, v_cache, block_tables.numpy(),
         context_lens.numpy(), np.float32(scale), np.int64(window or 0), out.numpy(),
     )
     return out.view(q.shape[0], -1)

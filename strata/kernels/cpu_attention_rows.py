@@ -67,9 +67,9 @@ def _prefetch(builder, data, index):
     builder.call(fn, [ptr, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
 
 
-def _prefetch_keys(builder, data, rows_data, t0, n, dim, row_floats):
+def _prefetch_keys(builder, data, rows_data, t0, n, dim, row_floats, line):
     """Prefetch the cache rows (every KV head: `row_floats` floats from each key's head-0 row) of
-    the _BLOCK_KEYS keys of the next pass, where they exist: 64 sequences x 400 keys of smol-135m
+    the _BLOCK_KEYS keys of the next pass, where they exist (`line`: elements per cache line): 64 sequences x 400 keys of smol-135m
     (39 MB, from DRAM) measured ~12 GB/s without it and ~15 with it on the Zen 4 dev VM; a plain
     numba read of the same scattered blocks ~17-22."""
     i64 = ir.IntType(64)
@@ -78,9 +78,34 @@ def _prefetch_keys(builder, data, rows_data, t0, n, dim, row_floats):
                           builder.add(start, ir.Constant(i64, _BLOCK_KEYS)), n)
     with cgutils.for_range_slice(builder, start, stop, ir.Constant(i64, 1)) as (t, _):
         first = builder.mul(builder.load(builder.gep(rows_data, [t], inbounds=True)), dim)
-        with cgutils.for_range_slice(builder, ir.Constant(i64, 0), row_floats, ir.Constant(i64, 16)) as (c, _):
+        with cgutils.for_range_slice(builder, ir.Constant(i64, 0), row_floats, ir.Constant(i64, line)) as (c, _):
             _prefetch(builder, data, builder.add(first, c))
 
+
+
+def _cache_array(a) -> bool:
+    """A KV cache view the row loops read: fp32, or bf16 bit patterns as uint16 (kv_cache_dtype)."""
+    return isinstance(a, types.Array) and a.layout == "C" and a.dtype in (types.float32, types.uint16)
+
+
+def _row_loader(cache_type):
+    """load(builder, data, index, vf) -> 16 cached floats from `index`: straight for an fp32 cache,
+    widened exactly for bf16 bits (a bf16 is the top half of an fp32: zero-extend, shift by 16)."""
+    if cache_type.dtype == types.float32:
+        return _vload
+    vi16, vi32 = ir.VectorType(ir.IntType(16), _VL), ir.VectorType(ir.IntType(32), _VL)
+
+    def load_bf16(builder, data, index, vf):
+        ptr = builder.bitcast(builder.gep(data, [index], inbounds=True), vi16.as_pointer())
+        bits = builder.shl(builder.zext(builder.load(ptr, align=2), vi32), ir.Constant(vi32, [16] * _VL))
+        return builder.bitcast(bits, vf)
+
+    return load_bf16
+
+
+def _line(cache_type) -> int:
+    """Elements of the cache per 64-byte cache line."""
+    return 16 if cache_type.dtype == types.float32 else 32
 
 
 def _c_f32_3d(a) -> bool:
@@ -97,13 +122,14 @@ def qk_scores(typingctx, q, q_row, k_cache, rows, scores, scale):  # pragma: no 
     the cache); per query head one accumulator per key over head_dim in 16-float steps (the query
     chunk loaded once for the 16 keys), then one transpose-add turns the 16 accumulators into 16
     scores. The last n % 16 keys take a horizontal sum each. head_dim % 16 == 0 (caller checks)."""
-    if not (_c_f32(q, k_cache) and _c_f32_3d(scores) and _c_i64(rows) and _ints(q_row)
+    if not (_c_f32(q) and _cache_array(k_cache) and _c_f32_3d(scores) and _c_i64(rows) and _ints(q_row)
             and isinstance(scale, types.Float)):
         return None
     sig = types.none(q, q_row, k_cache, rows, scores, scale)
 
     def codegen(context, builder, signature, args):
         qa, ka, ra, sa = (context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 2, 3, 4))
+        load_k = _row_loader(signature.args[2])
         q_row_v = _i64(context, builder, signature, args, 1)
         scale_s = context.cast(builder, args[5], signature.args[5], types.float32)
         f32, vf, _, zero = _vec_consts()
@@ -127,7 +153,7 @@ def qk_scores(typingctx, q, q_row, k_cache, rows, scores, scale):  # pragma: no 
 
         row_floats = builder.mul(kv_heads, dim)
         with cgutils.for_range_slice(builder, c0, n16, c16) as (t0, _):
-            _prefetch_keys(builder, ka.data, ra.data, t0, n, dim, row_floats)
+            _prefetch_keys(builder, ka.data, ra.data, t0, n, dim, row_floats, _line(signature.args[2]))
             with cgutils.for_range(builder, kv_heads) as h_loop:
                 h = h_loop.index
                 bases = [key_base(builder.add(t0, ir.Constant(i64, i)), h) for i in range(_VL)]
@@ -139,7 +165,7 @@ def qk_scores(typingctx, q, q_row, k_cache, rows, scores, scale):  # pragma: no 
                     with cgutils.for_range_slice(builder, c0, dim, c16) as (c, _):
                         qv = _vload(builder, qa.data, builder.add(q0, c), vf)
                         for base, acc in zip(bases, accs):
-                            prod = builder.fmul(qv, _vload(builder, ka.data, builder.add(base, c), vf), flags=_FAST)
+                            prod = builder.fmul(qv, load_k(builder, ka.data, builder.add(base, c), vf), flags=_FAST)
                             builder.store(builder.fadd(builder.load(acc), prod, flags=_FAST), acc)
                     dots = builder.fmul(_reduce16(builder, [builder.load(a) for a in accs]), scale_v, flags=_FAST)
                     out = builder.gep(sa.data, [score_index(h, g, t0)], inbounds=True)
@@ -154,7 +180,7 @@ def qk_scores(typingctx, q, q_row, k_cache, rows, scores, scale):  # pragma: no 
                     builder.store(zero, accs[0])
                     with cgutils.for_range_slice(builder, c0, dim, c16) as (c, _):
                         prod = builder.fmul(_vload(builder, qa.data, builder.add(q0, c), vf),
-                                            _vload(builder, ka.data, builder.add(base, c), vf), flags=_FAST)
+                                            load_k(builder, ka.data, builder.add(base, c), vf), flags=_FAST)
                         builder.store(builder.fadd(builder.load(accs[0]), prod, flags=_FAST), accs[0])
                     dot = builder.fmul(_hsum(builder, builder.load(accs[0])), scale_s, flags=_FAST)
                     builder.store(dot, builder.gep(sa.data, [score_index(h, g, t)], inbounds=True))
@@ -173,12 +199,13 @@ def pv_rows(typingctx, scores, v_cache, rows, acc):  # pragma: no cover - compil
     qk_scores). Keys go _BLOCK_KEYS at a time, every head of them before the next keys; per
     query head, 64 columns of acc stay in registers while the pass's value rows go by (then the
     next 64; a 16-column step for the rest). head_dim % 16 == 0 (caller checks)."""
-    if not (_c_f32(v_cache) and _c_f32_3d(scores) and _c_f32_3d(acc) and _c_i64(rows)):
+    if not (_cache_array(v_cache) and _c_f32_3d(scores) and _c_f32_3d(acc) and _c_i64(rows)):
         return None
     sig = types.none(scores, v_cache, rows, acc)
 
     def codegen(context, builder, signature, args):
         sa, va, ra, aa = (context.make_array(signature.args[i])(context, builder, args[i]) for i in range(4))
+        load_v = _row_loader(signature.args[1])
         f32, vf, _, zero = _vec_consts()
         i64 = ir.IntType(64)
         c0, c1 = ir.Constant(i64, 0), ir.Constant(i64, 1)
@@ -199,14 +226,14 @@ def pv_rows(typingctx, scores, v_cache, rows, acc):  # pragma: no cover - compil
                 row = builder.load(builder.gep(ra.data, [t], inbounds=True))
                 base = builder.add(builder.mul(builder.add(row, h), dim), c)
                 for u, reg in enumerate(regs[:chunks]):
-                    v = _vload(builder, va.data, builder.add(base, ir.Constant(i64, u * _VL)), vf)
+                    v = load_v(builder, va.data, builder.add(base, ir.Constant(i64, u * _VL)), vf)
                     builder.store(builder.fadd(builder.load(reg), builder.fmul(p, v, flags=_FAST), flags=_FAST), reg)
             for ptr, reg in zip(ptrs, regs):
                 builder.store(builder.load(reg), ptr, align=4)
 
         with cgutils.for_range_slice(builder, c0, n, block) as (t0, _):
             t1 = builder.select(builder.icmp_signed("<", builder.add(t0, block), n), builder.add(t0, block), n)
-            _prefetch_keys(builder, va.data, ra.data, t0, n, dim, builder.mul(kv_heads, dim))
+            _prefetch_keys(builder, va.data, ra.data, t0, n, dim, builder.mul(kv_heads, dim), _line(signature.args[1]))
             with cgutils.for_range(builder, kv_heads) as h_loop:
                 h = h_loop.index
                 with cgutils.for_range(builder, group) as g_loop:

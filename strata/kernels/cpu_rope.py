@@ -8,9 +8,10 @@ reference twin is `graph.layers.apply_rotary` + `attention.write_kv`; tests comp
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from strata.kernels import cpu_gemv
+from strata.kernels import cpu_attention, cpu_gemv
 from strata.kernels.dispatch import kernel
 
 try:
@@ -27,13 +28,36 @@ def available() -> bool:
 
 
 if numba is not None:
+    from numba import types
+    from numba.extending import overload
+
+    def store_row(cache_row, values):
+        """cache_row[:] = values, rounded to bf16 (nearest even) for a bf16 cache's uint16 bits."""
+
+    @overload(store_row)
+    def _store_row(cache_row, values):
+        if cache_row.dtype == types.uint16:
+            def to_bf16(cache_row, values):
+                bits = values.view(np.uint32)
+                for c in range(bits.shape[0]):  # as torch's .to(torch.bfloat16) rounds finite values
+                    b = bits[c]
+                    cache_row[c] = np.uint16((b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1)))
+                                             >> np.uint32(16))
+            return to_bf16
+
+        def copy(cache_row, values):
+            for c in range(values.shape[0]):
+                cache_row[c] = values[c]
+        return copy
 
     @njit(cache=True)
     def _rope_store(qkv, cos, sin, slots, k_cache, v_cache, heads, kv_heads, q_out):  # pragma: no cover
+        """k_cache / v_cache: fp32, or a bf16 cache's uint16 bit patterns (kv_cache_dtype)."""
         rows = qkv.shape[0]
         dim = cos.shape[1]
         half = dim // 2
         block = k_cache.shape[1]
+        row = np.empty(dim, np.float32)
         for t in range(rows):
             blk = slots[t] // block
             off = slots[t] % block
@@ -48,17 +72,21 @@ if numba is not None:
                         q_out[t, h, d] = r1
                         q_out[t, h, d + half] = r2
                     else:
-                        k_cache[blk, off, h - heads, d] = r1
-                        k_cache[blk, off, h - heads, d + half] = r2
+                        row[d] = r1
+                        row[d + half] = r2
+                if h >= heads:
+                    store_row(k_cache[blk, off, h - heads], row)
             vbase = (heads + kv_heads) * dim
             for kh in range(kv_heads):
                 for d in range(dim):
-                    v_cache[blk, off, kh, d] = qkv[t, vbase + kh * dim + d]
+                    row[d] = qkv[t, vbase + kh * dim + d]
+                store_row(v_cache[blk, off, kh], row)
 
 
 def usable(qkv: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-    """Few fp32 CPU rows and a contiguous cache (cpu_gemv.few_fp32_rows asks the kernel mode first)."""
-    return cpu_gemv.few_fp32_rows(qkv, kv_cache, MAX_ROWS) and kv_cache.is_contiguous()
+    """Few fp32 CPU rows (cpu_gemv.few_fp32_rows asks the kernel mode first) and a cache the decode
+    kernel reads (cpu_attention.reads_cache: fp32, or bf16 from kv_cache_dtype)."""
+    return cpu_gemv.few_fp32_rows(qkv, qkv, MAX_ROWS) and cpu_attention.reads_cache(kv_cache)
 
 
 @kernel("rope_and_store")
@@ -76,6 +104,6 @@ def rope_and_store(
     q = torch.empty(rows, heads, dim, dtype=qkv.dtype)
     _rope_store(
         qkv.numpy(), cos.reshape(rows, dim).contiguous().numpy(), sin.reshape(rows, dim).contiguous().numpy(),
-        slots.numpy(), kv_cache[0].numpy(), kv_cache[1].numpy(), heads, kv_heads, q.numpy(),
+        slots.numpy(), *cpu_attention.cache_views(kv_cache), heads, kv_heads, q.numpy(),
     )
     return q

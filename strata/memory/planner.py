@@ -106,6 +106,7 @@ def plan_memory(
     device: str,
     quantization: str | None = None,
     group_size: int = 64,
+    kv_dtype: torch.dtype | None = None,
 ) -> MemoryPlan:
     """Size the paged KV cache; error at start if one max_model_len sequence cannot fit.
 
@@ -113,8 +114,9 @@ def plan_memory(
     memory, capped at what `max_num_seqs` sequences of `max_model_len` could ever use. Free
     memory is measured after the model is loaded (and quantised), so smaller weights leave more
     of it to the KV cache; `quantization` only changes the weight bytes the plan reports.
+    `kv_dtype`: the cache's storage dtype when it is not the model's `dtype` (kv_cache_dtype).
     """
-    per_token = kv_bytes_per_token(cfg, dtype)
+    per_token = kv_bytes_per_token(cfg, kv_dtype or dtype)
     per_block = per_token * block_size
     if kv_cache_memory is not None:
         budget, source = kv_cache_memory, "kv_cache_memory"

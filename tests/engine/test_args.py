@@ -32,13 +32,13 @@ def test_every_flag_reaches_its_field():
                   "--memory-fraction", "0.25", "--block-size", "8", "--max-num-seqs", "3",
                   "--max-num-batched-tokens", "99", "--threads", "1", "--attention-backend", "torch",
                   "--quantization", "int4", "--quantization-group-size", "128", "--no-prefix-caching",
-                  "--preemption-mode", "swap", "--swap-space", "2MiB", "--no-fuse")
+                  "--preemption-mode", "swap", "--swap-space", "2MiB", "--no-fuse", "--kv-cache-dtype", "bf16")
     cfg = EngineArgs.from_cli_args(args).create_engine_config()
     assert (cfg.dtype, cfg.max_model_len, cfg.kv_cache_memory, cfg.memory_fraction) == ("float32", 64, 2**20, 0.25)
     assert (cfg.block_size, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.num_threads) == (8, 3, 99, 1)
     assert (cfg.attention_backend, cfg.quantization, cfg.quantization_group_size) == ("torch", "int4", 128)
     assert cfg.enable_prefix_caching is False and cfg.fuse is False
-    assert (cfg.preemption_mode, cfg.swap_space) == ("swap", 2 * 2**20)
+    assert (cfg.preemption_mode, cfg.swap_space, cfg.kv_cache_dtype) == ("swap", 2 * 2**20, "bfloat16")
     assert EngineArgs.from_cli_args(_parse("--compile")).create_engine_config().compile is True
     assert EngineArgs.from_cli_args(_parse("--fuse")).create_engine_config().fuse is True
 

@@ -74,3 +74,35 @@ def test_paged_decode_splits_long_keys_and_its_bits_ignore_the_thread_count(batc
         v = cache[1].reshape(-1, kv_heads, dim)[slots].repeat_interleave(heads // kv_heads, dim=1)
         probs = torch.softmax(torch.einsum("hd,thd->ht", q[b], k) * dim**-0.5, dim=-1)
         torch.testing.assert_close(outs[0][b], torch.einsum("ht,thd->hd", probs, v), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("heads, kv_heads, dim, lens", [(9, 3, 64, [37, 5, 16, 100]), (14, 2, 64, [700]),
+                                                        (6, 2, 128, [33, 1, 65]), (8, 8, 80, [300, 2])])
+def test_paged_decode_reads_a_bf16_cache_exactly(heads, kv_heads, dim, lens):
+    """kv_cache_dtype=bfloat16: the kernel widens the stored bf16 exactly, so it agrees with its
+    torch twin run over the same cache widened to fp32."""
+    g = torch.Generator().manual_seed(sum(lens) + dim)
+    cache, table_t, lens_t = paged_cache(g, lens, 16, kv_heads, dim, torch.float32)
+    cache = cache.to(torch.bfloat16)
+    q = torch.randn(len(lens), heads, dim, generator=g)
+    assert cpu_attention.usable(q, cache)
+    width = table_t.shape[1]
+    mask = (torch.arange(width * 16)[None, :] < lens_t[:, None]).view(len(lens), 1, 1, -1)
+    ref_meta = AttentionMetadata(torch.empty(0), [], 0, table_t, mask, lens_t, backend="torch")
+    cpu_meta = AttentionMetadata(torch.empty(0), [], 0, table_t, None, lens_t, backend="cpu")
+    expected = _decode(q, cache.float(), ref_meta, dim**-0.5)
+    torch.testing.assert_close(_decode(q, cache, cpu_meta, dim**-0.5), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(_decode(q, cache, ref_meta, dim**-0.5), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_bf16_cache_with_an_odd_head_dim_falls_back_to_the_widened_gather():
+    g = torch.Generator().manual_seed(3)
+    cache, table_t, lens_t = paged_cache(g, [20, 7], 8, 2, 24, torch.float32)
+    cache = cache.to(torch.bfloat16)
+    q = torch.randn(2, 4, 24, generator=g)
+    assert not cpu_attention.usable(q, cache)
+    mask = (torch.arange(table_t.shape[1] * 8)[None, :] < lens_t[:, None]).view(2, 1, 1, -1)
+    ref_meta = AttentionMetadata(torch.empty(0), [], 0, table_t, mask, lens_t, backend="torch")
+    cpu_meta = AttentionMetadata(torch.empty(0), [], 0, table_t, None, lens_t, backend="cpu")
+    torch.testing.assert_close(_decode(q, cache, cpu_meta, 0.2), _decode(q, cache.float(), ref_meta, 0.2),
+                               rtol=1e-5, atol=1e-5)

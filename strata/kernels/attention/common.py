@@ -31,8 +31,12 @@ class PrefillSpan:
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-    """Store this step's keys and values [T, kv_heads, head_dim] at their cache slots."""
+    """Store this step's keys and values [T, kv_heads, head_dim] at their cache slots, rounded to
+    the cache's dtype where it is narrower (kv_cache_dtype; the check is skipped while graph/fusion.py
+    traces, so the traced ops stay the pattern it replaces, whose op calls this at run time)."""
     kv_heads, head_dim = k.shape[-2:]
+    if not isinstance(k, torch.fx.Proxy) and k.dtype != kv_cache.dtype:
+        k, v = k.to(kv_cache.dtype), v.to(kv_cache.dtype)
     kv_cache[0].view(-1, kv_heads, head_dim).index_copy_(0, slots, k)
     kv_cache[1].view(-1, kv_heads, head_dim).index_copy_(0, slots, v)
 
@@ -88,7 +92,7 @@ def prefill_span(
         ks, vs = k[span.start : span.end], v[span.start : span.end]
     else:
         ks, vs = gather_kv(kv_cache, span.block_table)
-        ks, vs = ks[: span.context_len + n], vs[: span.context_len + n]
+        ks, vs = ks[: span.context_len + n].to(q.dtype), vs[: span.context_len + n].to(q.dtype)
     mask = span.mask
     if window is not None and span.context_len + n > window:
         first = max(0, span.context_len - window + 1)  # the oldest key the chunk's first query sees
@@ -112,6 +116,7 @@ def gathered_decode(
     kv_heads = kv_cache.shape[-2]
     qd = q.view(b, kv_heads, heads // kv_heads, head_dim)
     ks, vs = gather_kv(kv_cache, block_tables)  # [B, L, kvh, d]
+    ks, vs = ks.to(q.dtype), vs.to(q.dtype)  # a narrower cache (kv_cache_dtype) is widened once gathered
     if window is not None or mask is None:
         keys = torch.arange(ks.shape[1], device=q.device)
         mask = (window_mask(context_lens - 1, keys, window) if window is not None

@@ -12,6 +12,7 @@ import torch
 
 from strata.kernels import cpu_attention, cpu_rope
 from strata.kernels.attention.base import AttentionBackend
+from strata.kernels.attention.common import gathered_decode, sdpa_attend
 
 
 class CpuBackend(AttentionBackend):
@@ -24,6 +25,8 @@ class CpuBackend(AttentionBackend):
         return "needs numba, device cpu and dtype float32"
 
     def decode(self, q, kv_cache, block_tables, context_lens, mask, scale, window=None) -> torch.Tensor:
+        if not cpu_attention.reads_cache(kv_cache):  # e.g. bf16 with an odd head_dim: widened, then SDPA
+            return gathered_decode(q, kv_cache, block_tables, None, scale, sdpa_attend, context_lens, window)
         return cpu_attention.paged_decode(q, kv_cache, block_tables, context_lens, scale, window)
 
     def fused_decode_usable(self, qkv: torch.Tensor, kv_cache: torch.Tensor) -> bool:
