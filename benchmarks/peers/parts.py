@@ -97,7 +97,7 @@ def part_latency(ctx: Ctx, shape: str, ggufs: dict[str, Path]) -> dict:
         return measure(ctx, f"{shape} llama-bench {tag} ({when} Strata)", run)
 
     base = [*ctx.strata, "bench", "latency", "--random-model", shape, "--dtype", "float32",
-            "--input-len", str(wl.lat_in), "--output-len", str(wl.lat_out), "--threads", str(args.threads), "--repeats", str(STRATA_REPEATS)]
+            "--kv-cache-dtype", args.strata_kv_cache_dtype, "--input-len", str(wl.lat_in), "--output-len", str(wl.lat_out), "--threads", str(args.threads), "--repeats", str(STRATA_REPEATS)]
 
     def strata(extra: list[str], tag: str) -> Any:
         def run(attempt: int) -> tuple[dict, float | None]:
@@ -160,8 +160,8 @@ def bench_serve(ctx: Ctx, part: str, name: str, url: str, model_dir: Path, num_p
 
 def strata_server(ctx: Ctx, part: str, shape: str, max_num_seqs: int | None = None) -> Server:
     port = free_port(ctx.args.port)
-    cmd = [*ctx.strata, "serve", "--random-model", shape, "--dtype", "float32", "--kv-cache-memory",
-           ctx.args.kv_cache_memory, "--threads", str(ctx.args.threads), "--port", str(port)]
+    cmd = [*ctx.strata, "serve", "--random-model", shape, "--dtype", "float32", "--kv-cache-dtype",
+           ctx.args.strata_kv_cache_dtype, "--kv-cache-memory", ctx.args.kv_cache_memory, "--threads", str(ctx.args.threads), "--port", str(port)]
     if max_num_seqs is not None:
         cmd += ["--max-num-seqs", str(max_num_seqs)]
     return Server(ctx, part, f"strata-serve-{shape}", cmd, port, "/ready")
@@ -188,7 +188,7 @@ def part_throughput(ctx: Ctx, shape: str, ggufs: dict[str, Path]) -> dict:
         f = out_dir / f"strata-{shape}{f'-a{attempt + 1}' if attempt else ''}.json"
         ctx.run("throughput", f"strata-throughput-{shape}",
                 [*ctx.strata, "bench", "throughput", "--random-model", shape, "--dtype", "float32",
-                 "--num-prompts", str(wl.tp_prompts), "--input-len", rng_text(wl.tp_in), "--output-len",
+                 "--kv-cache-dtype", args.strata_kv_cache_dtype, "--num-prompts", str(wl.tp_prompts), "--input-len", rng_text(wl.tp_in), "--output-len",
                  rng_text(wl.tp_out), "--threads", str(args.threads), "--compare", "hf", "--hf-batch-size",
                  str(wl.hf_batch), "--json", f], timeout=7200)
         return read_json(f), others_cpu(ctx.last)

@@ -59,6 +59,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="llama-server parallel slots (-np) to try in the throughput part, comma-separated; "
                    "serving uses the one with the best output tok/s (default %(default)s)")
     p.add_argument("--kv-cache-memory", default="2GiB", help="strata serve --kv-cache-memory (default 2GiB)")
+    p.add_argument("--strata-kv-cache-dtype", default="bfloat16", choices=("auto", "bfloat16"),
+                   help="Strata's --kv-cache-dtype in every part: llama.cpp stores K/V in f16 by default "
+                   "(-ctk/-ctv f16), so bfloat16 compares like with like (default %(default)s)")
     p.add_argument("--slo", default="ttft=2000,tpot=150", help="goodput SLO in ms (default %(default)s)")
     p.add_argument("--rates", default=None, help="low,near,over request rates instead of derived ones")
     p.add_argument("--wait-quiet", type=float, default=300,

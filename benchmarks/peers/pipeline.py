@@ -48,7 +48,7 @@ def run_all(args: argparse.Namespace, argv: list[str] | None = None) -> int:
             "lat_in": wl.lat_in, "lat_out": wl.lat_out, "bench_reps": wl.bench_reps, "tp_prompts": wl.tp_prompts,
             "tp_in": rng_text(wl.tp_in), "tp_out": rng_text(wl.tp_out), "serve_target_s": wl.serve_target_s,
             "serve_min_prompts": wl.serve_min_prompts, "serve_max_prompts": wl.serve_max_prompts,
-            "hf_batch": wl.hf_batch, "threads": args.threads},
+            "hf_batch": wl.hf_batch, "threads": args.threads, "strata_kv_cache_dtype": args.strata_kv_cache_dtype},
         "commands": [], "errors": [], "notes": [], "versions": {}, "machine": {},
         "wait_quiet_s": args.wait_quiet, "quiet_cpu": args.quiet_cpu,
         "latency": {}, "throughput": {}, "serving": {},

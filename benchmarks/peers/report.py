@@ -18,6 +18,16 @@ from .tables import (
 )
 
 
+def kv_cache_sentence(kv: str) -> str:
+    """How the run stored Strata's KV cache, beside llama.cpp's default."""
+    if kv == "bfloat16":
+        return ("KV cache: every Strata row stores K/V in bf16 (`--kv-cache-dtype bfloat16`; the decode kernels "
+                "read it back exactly) as llama.cpp stores them in f16 by default (`-ctk f16 -ctv f16`): the "
+                "same bytes per token; transformers keeps fp32 K/V.")
+    return ("KV cache: Strata stores K/V in the model's dtype (fp32 here; `--kv-cache-dtype auto`), llama.cpp "
+            "in f16 (its default), so Strata's decode reads twice the KV bytes.")
+
+
 def _mib(n: int | None) -> str:
     return "-" if not n else f"{n / 2**30:.1f} GiB"
 
@@ -134,7 +144,10 @@ def render_markdown(res: dict) -> str:
       "arithmetic). Strata's int8 is symmetric per output row; on a CPU with AVX-512 VNNI its batch-1..16 "
       "GEMV quantises the activations to int8 per 64 columns and runs integer dot products, as q8_0 does "
       "per 32 (q8_0 scales weights per block of 32). Strata's int4 uses groups of 64 with fp32 scales, "
-      "4.5 bits a weight like q4_0's blocks of 32 with fp16 scales, and int8 activations at batch 1 where VNNI. Prefill of int8/int4 dequantises tiles to fp32 for the GEMM.\n")
+      "4.5 bits a weight like q4_0's blocks of 32 with fp16 scales, and int8 activations at batch 1 where VNNI. "
+      "Prefill of int8/int4 dequantises the weight for the GEMM (to bf16 where `dtype=auto` measured oneDNN's "
+      "bf16 GEMM faster, else tile by tile to fp32). "
+      + kv_cache_sentence((res.get("workload") or {}).get("strata_kv_cache_dtype", "auto")) + "\n")
     w(f"llama.cpp variant used: {(res.get('versions') or {}).get('llama_cpp', {}).get('variant', 'native')}.\n")
     for shape, sr in (res.get("latency") or {}).items():
         w(f"### {shape}\n")
