@@ -274,6 +274,22 @@ def sdpa_rates(dev: torch.device, dtypes: list[str], shape: tuple[int, int, int,
     return out
 
 
+def int8_int8_gemm_gflops() -> float | None:
+    """CPU GOP/s of torch._int_mm (int8 x int8 -> int32) at the prefill GEMM shape: the W8A8
+    prefill of int8 weights (kernels/cpu_quant.py); None where this torch has none."""
+    if not hasattr(torch, "_int_mm"):
+        return None
+    try:
+        with torch.inference_mode():
+            n, k = GEMM_SHAPE
+            a = torch.randint(-127, 128, (GEMM_ROWS, k), dtype=torch.int8)
+            w = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+            return 2 * GEMM_ROWS * n * k / _best_seconds(lambda: torch._int_mm(a, w.t()), torch.device("cpu"), 3) / 1e9
+    except (RuntimeError, NotImplementedError) as e:
+        logger.info("int8 x int8 GEMM not measured: %s", e)
+        return None
+
+
 def int8_gemm_gflops(dev: torch.device) -> float | None:
     """GFLOP/s (int ops/s) of torch's own int8 matmul, where this build has one; else None."""
     try:

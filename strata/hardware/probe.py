@@ -107,6 +107,9 @@ def _measure(identity: dict[str, Any]) -> HardwareProfile:
         extra.update(numpy_read_gbs=np_read, numpy_copy_gbs=np_copy)
         linear_gbs, matmul_gflops = measure.linear_rates(dev, list(DTYPES), measure.CPU_LINEAR_SHAPE)
         extra["gemm_gflops"] = measure.gemm_rates(list(DTYPES))
+        int8_int8 = measure.int8_int8_gemm_gflops()
+        if int8_int8 is not None:
+            extra["gemm_gflops"]["int8_int8"] = int8_int8
         extra["sdpa_gflops"] = measure.sdpa_rates(dev, list(DTYPES), measure.CPU_SDPA_SHAPE, 3)
         extra["quant_linear_gbs"], extra["quant_matmul_gflops"] = measure.quant_rates()
     int8 = measure.int8_gemm_gflops(dev)

@@ -13,8 +13,9 @@ from typing import Any
 
 from strata.comm.alpha_beta import CommModel
 
-SCHEMA_VERSION = 5  # 2: linear rates through Strata's dispatch; 3: + gemm/quant/dispatch/copy figures;
-# 4: bf16 batch-1/16 rates through the narrow-reading bf16 GEMV (kernels/cpu_bf16.py); 5: + gemm "float32_onednn"
+SCHEMA_VERSION = 6  # 2: linear rates through Strata's dispatch; 3: + gemm/quant/dispatch/copy figures;
+# 4: bf16 batch-1/16 rates through the narrow-reading bf16 GEMV (kernels/cpu_bf16.py); 5: + gemm "float32_onednn";
+# 6: + gemm "int8_int8" (CPU: torch._int_mm, the W8A8 prefill GEMM)
 
 
 @dataclass(frozen=True)

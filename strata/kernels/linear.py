@@ -81,7 +81,8 @@ def quant_linear(x: torch.Tensor, q: QuantWeight, bias: torch.Tensor | None = No
             out = cpu_quant.gemv(q.method, x2, w, s, q.group_size, bias)
         else:
             w, s = q.kernel_weights()
-            out = cpu_quant.matmul(q.method, x2, w, s, q.group_size, bias, cpu_gemm.path_of(q))
+            out = cpu_quant.matmul(q.method, x2, w, s, q.group_size, bias, cpu_gemm.path_of(q),
+                                   cpu_gemm.fallback_of(q))
     else:
         out = F.linear(x2, q.dequantize(x.dtype), bias)
     return out.view(*x.shape[:-1], out.shape[-1])

@@ -87,6 +87,39 @@ def test_prefill_gemm_policy_by_measurement():
     assert (fp32, narrow) == ("aten", "aten") and "fp32 weights aten" in why
 
 
+@pytest.mark.skipif(not (cpu_quant.available() and hasattr(torch, "_int_mm")), reason="needs numba and torch._int_mm")
+def test_int8_prefill_gemm_by_measurement_and_switches(monkeypatch):
+    fast = _profile({"float32": 200.0, "float32_onednn": 450.0, "bfloat16": 400.0, "int8_int8": 800.0})
+    path, why = dtype_policy.int8_prefill_gemm(fast, "bf16")
+    assert path == "bf16" and "STRATA_INT8_PREFILL=w8a8" in why  # opt-in
+    monkeypatch.setenv("STRATA_INT8_PREFILL", "w8a8")
+    fast = _profile({"float32": 200.0, "float32_onednn": 450.0, "bfloat16": 400.0, "int8_int8": 800.0})
+    assert dtype_policy.int8_prefill_gemm(fast, "bf16")[0] == "int8"
+    slow = _profile({"float32": 200.0, "bfloat16": 400.0, "int8_int8": 420.0})  # within the margin: not worth it
+    assert dtype_policy.int8_prefill_gemm(slow, "bf16")[0] == "bf16"
+    assert dtype_policy.int8_prefill_gemm(_profile({"bfloat16": 400.0}), "bf16")[0] == "bf16"  # unmeasured
+    for forced in ("aten", "bf16"):
+        monkeypatch.setenv("STRATA_PREFILL_GEMM", forced)
+        assert dtype_policy.int8_prefill_gemm(fast, forced)[0] == forced
+    monkeypatch.delenv("STRATA_PREFILL_GEMM")
+    monkeypatch.setenv("STRATA_INT8_FP32_ACTIVATIONS", "1")
+    path, why = dtype_policy.int8_prefill_gemm(fast, "bf16")
+    assert path == "bf16" and "STRATA_INT8_FP32_ACTIVATIONS" in why
+
+
+def test_mark_gives_int8_weights_their_path_and_fallback():
+    q8 = nn.Module()
+    q8.qweight, q8.method = torch.zeros(4, 4, dtype=torch.int8), "int8"
+    q4 = nn.Module()
+    q4.qweight, q4.method = torch.zeros(4, 2, dtype=torch.uint8), "int4"
+    model = nn.Sequential(q8, q4)
+    assert cpu_gemm.mark(model, "aten", "bf16", "int8") == 2
+    assert (cpu_gemm.path_of(q8), cpu_gemm.fallback_of(q8)) == ("int8", "bf16")
+    assert (cpu_gemm.path_of(q4), cpu_gemm.fallback_of(q4)) == ("bf16", "bf16")
+    with pytest.raises(ValueError, match="int8 or the narrow path"):
+        cpu_gemm.mark(model, "aten", "bf16", "onednn")
+
+
 def test_prefill_gemm_override(monkeypatch):
     amd = _profile({"float32": 200.0, "float32_onednn": 450.0, "bfloat16": 970.0})
     monkeypatch.setenv("STRATA_PREFILL_GEMM", "aten")  # exact everywhere, whatever was measured

@@ -230,6 +230,66 @@ def test_int8_int8_activation_kernel(rows, monkeypatch):
     assert cpu_quant.int8_int8(1024) and not cpu_quant.int8_int8(96)
 
 
+needs_int8_prefill = pytest.mark.skipif(not (cpu_quant.available() and hasattr(torch, "_int_mm")),
+                                        reason="needs numba and torch._int_mm")
+
+
+@pytest.fixture
+def w8a8(monkeypatch):
+    monkeypatch.setenv(cpu_quant.INT8_PREFILL_ENV, "w8a8")
+    assert cpu_quant.int8_prefill_enabled()
+
+
+@needs_int8_prefill
+@pytest.mark.parametrize("rows, shape", [(17, (300, 1024)), (40, (77, 200)), (64, (1536, 576)), (129, (5, 33))])
+@pytest.mark.parametrize("bias", [False, True])
+def test_w8a8_prefill_matches_its_twin(rows, shape, bias, w8a8):
+    """Path "int8": per-row int8 activations x int8 weights in integers equal their twin (the rows
+    rounded per row, then dequantise + F.linear), weights at -128 and an all-zero row included,
+    and stay within 2% of the largest output of the exact (fp32-activation) product."""
+    g = torch.Generator().manual_seed(rows + shape[1])
+    w, x = torch.randn(*shape, generator=g), torch.randn(rows, shape[1], generator=g)
+    x[3] = 0.0
+    b = torch.randn(shape[0], generator=g) if bias else None
+    q = _Q(w, "int8")
+    q.qweight[:2, :3] = -128
+    twin = F.linear(quant_formats.quantize_activations_ref(x, shape[1]), q.dequantize(), b)
+    exact = F.linear(x, q.dequantize(), b)
+    got = cpu_quant.matmul("int8", x, q.qweight, q.scale, 0, b, "int8", "aten")
+    torch.testing.assert_close(got, twin, **_tol(shape[1]))
+    assert (got - exact).abs().max() <= 0.02 * exact.abs().max()
+
+
+@needs_int8_prefill
+def test_w8a8_prefill_refuses_outlier_rows_and_obeys_the_switch(w8a8, monkeypatch):
+    """A row with max|x| above INT8_PREFILL_MAX_RATIO x its rms is recomputed by the decode kernel
+    (a few such rows) or the fallback path (many), bit for bit, and the other rows keep their W8A8
+    numbers; STRATA_INT8_FP32_ACTIVATIONS=1 or no STRATA_INT8_PREFILL=w8a8 sends everything down
+    the fallback path."""
+    g = torch.Generator().manual_seed(5)
+    w, x = torch.randn(96, 512, generator=g), torch.randn(40, 512, generator=g)
+    q = _Q(w, "int8")
+    w8a8 = cpu_quant.matmul("int8", x, q.qweight, q.scale, 0, None, "int8", "aten")
+    plain = cpu_quant.matmul("int8", x, q.qweight, q.scale, 0, None, "aten")
+    assert not torch.equal(w8a8, plain)
+    for spikes in ([7], list(range(0, 40, 2))):  # one outlier row; more than MAX_ROWS of them
+        spiky = x.clone()
+        for r in spikes:
+            spiky[r, 11] = 50.0 * spiky[r].pow(2).mean().sqrt()
+        got = cpu_quant.matmul("int8", spiky, q.qweight, q.scale, 0, None, "int8", "aten")
+        other = cpu_quant.gemv("int8", spiky[spikes], q.qweight, q.scale, 0) if len(spikes) <= cpu_quant.MAX_ROWS \
+            else cpu_quant.matmul("int8", spiky[spikes], q.qweight, q.scale, 0, None, "aten")
+        torch.testing.assert_close(got[spikes], other, rtol=0, atol=0)
+        kept = [r for r in range(40) if r not in spikes]
+        torch.testing.assert_close(got[kept], w8a8[kept], rtol=0, atol=0)
+    for env, value in (("STRATA_INT8_FP32_ACTIVATIONS", "1"), (cpu_quant.INT8_PREFILL_ENV, "")):
+        with monkeypatch.context() as m:
+            m.setenv(env, value)
+            assert not cpu_quant.int8_prefill_enabled()
+            torch.testing.assert_close(cpu_quant.matmul("int8", x, q.qweight, q.scale, 0, None, "int8", "aten"),
+                                       plain, rtol=0, atol=0)
+
+
 @needs_numba
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_numba_dequantize_matches_reference(method):
