@@ -73,8 +73,15 @@ def test_the_mappings_mean_what_they_say(monkeypatch):
     assert (_parse(cfg, monkeypatch).max_num_seqs, _parse(cfg, monkeypatch).max_model_len) == (64, 4096)
 
 
-@pytest.mark.parametrize("flag", ["--enforce-eager", "--kv-cache-dtype", "--cpu-offload-gb", "--mlock", "-ngl"])
+@pytest.mark.parametrize("flag", ["--enforce-eager", "--cpu-offload-gb", "--mlock", "-ngl"])
 def test_flags_called_not_here_are_refused(flag, capsys):
     with pytest.raises(SystemExit) as e:
         build_parser().parse_args(["serve", flag, "1"])
     assert e.value.code == 2 and "unrecognized" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["fp8", "fp8_e4m3", "float16"])
+def test_kv_cache_dtypes_not_here_are_refused(value, capsys):
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["serve", "--kv-cache-dtype", value])
+    assert e.value.code == 2 and "invalid choice" in capsys.readouterr().err
