@@ -54,8 +54,10 @@ def _c_i64(a) -> bool:
 
 
 _AHEAD = 1  # prefetch distance in passes: 2 and 4 measured no better on the Zen 4 dev VM
-_BLOCK_KEYS = 16  # keys per pass: all KV heads of these keys are read before the next keys (one
-# cache block's rows, contiguous), and a pass's value rows stay in L1 while every query head uses them
+# keys per pass: all KV heads of these keys are read before the next keys (one cache block's rows,
+# contiguous), and a pass's value rows stay in L1 while every query head uses them
+_BLOCK_KEYS = 16
+
 
 def _prefetch(builder, data, index):
     """Hint the cache line holding data[index] into every cache level (read)."""
@@ -68,10 +70,10 @@ def _prefetch(builder, data, index):
 
 
 def _prefetch_keys(builder, data, rows_data, t0, n, dim, row_floats, line):
-    """Prefetch the cache rows (every KV head: `row_floats` floats from each key's head-0 row) of
-    the _BLOCK_KEYS keys of the next pass, where they exist (`line`: elements per cache line): 64 sequences x 400 keys of smol-135m
-    (39 MB, from DRAM) measured ~12 GB/s without it and ~15 with it on the Zen 4 dev VM; a plain
-    numba read of the same scattered blocks ~17-22."""
+    """Prefetch the cache rows (every KV head: `row_floats` elements from each key's head-0 row,
+    `line` elements per cache line) of the _BLOCK_KEYS keys of the next pass, where they exist.
+    64 sequences x 400 keys of smol-135m (39 MB, one layer, from DRAM) measured ~12 GB/s without
+    it and ~15 with it on the Zen 4 dev VM; a plain numba read of the same scattered blocks 17-22."""
     i64 = ir.IntType(64)
     start = builder.add(t0, ir.Constant(i64, _BLOCK_KEYS * _AHEAD))
     stop = builder.select(builder.icmp_signed("<", builder.add(start, ir.Constant(i64, _BLOCK_KEYS)), n),
@@ -80,7 +82,6 @@ def _prefetch_keys(builder, data, rows_data, t0, n, dim, row_floats, line):
         first = builder.mul(builder.load(builder.gep(rows_data, [t], inbounds=True)), dim)
         with cgutils.for_range_slice(builder, ir.Constant(i64, 0), row_floats, ir.Constant(i64, line)) as (c, _):
             _prefetch(builder, data, builder.add(first, c))
-
 
 
 def _cache_array(a) -> bool:
