@@ -195,7 +195,7 @@ def prefill_gemms(profile: HardwareProfile) -> tuple[str, str, str]:
 
 
 def int8_prefill_gemm(profile: HardwareProfile, narrow: str) -> tuple[str, str]:
-    """The prefill GEMM of int8 weights: "int8" (W8A8, kernels/cpu_quant.py; `narrow` for inputs it
+    """The prefill GEMM of int8 weights: "int8" (W8A8, kernels/cpu_w8a8.py; `narrow` for inputs it
     does not take), when STRATA_INT8_PREFILL=w8a8 asks for it and torch's measured int8 GEMM beats
     the `narrow` path's rate by SWITCH_MARGIN,
     unless STRATA_INT8_FP32_ACTIVATIONS=1 or STRATA_PREFILL_GEMM is set; else `narrow`.

@@ -276,7 +276,7 @@ def sdpa_rates(dev: torch.device, dtypes: list[str], shape: tuple[int, int, int,
 
 def int8_int8_gemm_gflops() -> float | None:
     """CPU GOP/s of torch._int_mm (int8 x int8 -> int32) at the prefill GEMM shape: the W8A8
-    prefill of int8 weights (kernels/cpu_quant.py); None where this torch has none."""
+    prefill of int8 weights (kernels/cpu_w8a8.py); None where this torch has none."""
     if not hasattr(torch, "_int_mm"):
         return None
     try:

@@ -16,7 +16,7 @@ cpu_quant.matmul). Paths:
   bf16 GEMM with an fp32 result), then widened. Otherwise a narrow weight's tiles are widened or dequantised to
   fp32 and multiplied by its fp32 path (exact for bf16 weights).
 - "int8" (int8 weights only): W8A8, the activations quantised per row and torch's int8 GEMM
-  (kernels/cpu_quant.py says when an input is refused); such weights also carry the path taken
+  (kernels/cpu_w8a8.py says when an input row is refused); such weights also carry the path taken
   instead (`fallback_of`), the one other narrow weights take.
 """
 

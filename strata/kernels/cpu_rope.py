@@ -31,19 +31,15 @@ if numba is not None:
     from numba import types
     from numba.extending import overload
 
+    from strata.kernels import cpu_quant
+
     def store_row(cache_row, values):
         """cache_row[:] = values, rounded to bf16 (nearest even) for a bf16 cache's uint16 bits."""
 
     @overload(store_row)
     def _store_row(cache_row, values):
         if cache_row.dtype == types.uint16:
-            def to_bf16(cache_row, values):
-                bits = values.view(np.uint32)
-                for c in range(bits.shape[0]):  # as torch's .to(torch.bfloat16) rounds finite values
-                    b = bits[c]
-                    cache_row[c] = np.uint16((b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1)))
-                                             >> np.uint32(16))
-            return to_bf16
+            return lambda cache_row, values: cpu_quant._round_bf16(values, cache_row)
 
         def copy(cache_row, values):
             for c in range(values.shape[0]):
