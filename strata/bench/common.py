@@ -126,6 +126,38 @@ def add_repeat_args(g: argparse._ArgumentGroup) -> None:
                    "(max - min) / median of each rate")
 
 
+def add_sampling_args(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature of every request (default 0: greedy)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: top_p of every request (default 1: off)")
+    g.add_argument("--top-k", type=int, default=-1, help="top_k of every request (default -1: off)")
+
+
+def sampling_params(args: argparse.Namespace, max_tokens: int):
+    """The workload's SamplingParams: --temperature / --top-p / --top-k, ignoring EOS (every
+    request runs to max_tokens whatever it samples)."""
+    from strata.engine.sampling_params import SamplingParams
+
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                          max_tokens=max_tokens, ignore_eos=True)
+
+
+def sampling_note(args: argparse.Namespace) -> str:
+    """'greedy', or the sampling flags as the header prints them."""
+    if args.temperature == 0:
+        return "greedy"
+    return f"sampled (temperature {args.temperature:g}, top_p {args.top_p:g}, top_k {args.top_k})"
+
+
+def check_sampling_args(args: argparse.Namespace) -> None:
+    """Refuse bad sampling flags before a model loads. --compare hf runs transformers' greedy
+    loop: a sampled Strata run beside it would time different work."""
+    sampling_params(args, 1)  # SamplingParams' own checks (its messages name the field)
+    if args.compare == "hf" and (args.temperature != 0 or args.top_p != 1.0 or args.top_k != -1):
+        raise ConfigError("--compare hf runs transformers greedily; drop --temperature/--top-p/--top-k "
+                          "or run without --compare")
+
+
 def median_of_runs(runs: list[dict], keys: tuple[str, ...]) -> dict:
     """The median run's figures (per key), the spread of each key across runs, and the runs."""
     out = {k: float(np.median([r[k] for r in runs])) for k in runs[0] if isinstance(runs[0][k], int | float)}

@@ -1,7 +1,7 @@
 """Latency of one batch: prefill time, decode speed, and how close decode gets to the memory roofline.
 
-Runs --batch random-token prompts of --input-len tokens together, greedy, ignoring EOS, for
---output-len tokens each. Prefill time is the batch's time to first token; the remaining
+Runs --batch random-token prompts of --input-len tokens together, greedy (or sampled with
+--temperature / --top-p / --top-k), ignoring EOS, for --output-len tokens each. Prefill time is the batch's time to first token; the remaining
 output-len - 1 tokens are decode steps. Decode streams every weight and each sequence's KV once
 per step, so achieved bandwidth = (weight bytes + mean KV bytes read per step) / step time, and
 MBU = that / this machine's memory bandwidth, measured in-process just before the runs. With
@@ -36,13 +36,17 @@ from strata.bench.common import (
     CompetingLoad,
     add_model_args,
     add_repeat_args,
+    add_sampling_args,
     bench_engine_kwargs,
     capture_stats,
+    check_sampling_args,
     load_average,
     median_of_runs,
     random_prompts,
     ratio,
     resolve_model,
+    sampling_note,
+    sampling_params,
     special_ids,
     stability_notes,
     warm_capture,
@@ -67,6 +71,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--warmup", type=int, default=1, help="untimed warm-up runs (short outputs) before timing")
     g.add_argument("--seed", type=int, default=0, help="seed for the token ids")
     add_repeat_args(g)
+    add_sampling_args(g)
     g.add_argument("--competing-load", type=int, default=0, metavar="N",
                    help="run N busy-looping processes during the timed runs of every engine (contention: "
                    "another job sharing the cores); default 0")
@@ -122,7 +127,7 @@ def _repeat_prompts(args: argparse.Namespace, vocab: int, avoid: set[int], first
     ]
 
 
-def _strata_run(llm, prompts: list[list[int]], output_len: int) -> tuple[float, float, int]:
+def _strata_run(llm, prompts: list[list[int]], output_len: int, args) -> tuple[float, float, int]:
     """(prefill_s, decode_s, decode steps) from the requests' own timeline stamps.
 
     Decode is the window in which every sequence decodes every step: from the last prompt's first
@@ -130,10 +135,7 @@ def _strata_run(llm, prompts: list[list[int]], output_len: int) -> tuple[float, 
     prompts prefill in one step; when the prompts exceed the step's token budget, prefill is
     chunked, the early sequences start decoding (in steps shared with prefill chunks) and finish
     early, and counting their tokens would credit the batch with steps it never ran."""
-    from strata.engine.sampling_params import SamplingParams
-
-    sp = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    outs = llm.generate(prompts, sp, use_tqdm=False)
+    outs = llm.generate(prompts, sampling_params(args, output_len), use_tqdm=False)
     if any(len(o.outputs[0].token_ids) != output_len for o in outs):
         raise StrataError(f"a request stopped before its {output_len} tokens")
     start = min(o.arrival_time for o in outs)
@@ -158,6 +160,7 @@ def main(args: argparse.Namespace) -> int:
                         ("--repeats", args.repeats, 1), ("--competing-load", args.competing_load, 0)):
         if v < lo:
             raise ConfigError(f"{flag}: must be >= {lo}, got {v}")
+    check_sampling_args(args)
     need = args.input_len + args.output_len
     profile = args.profile or args.trace is not None
     if profile and args.compile:
@@ -178,6 +181,7 @@ def main(args: argparse.Namespace) -> int:
         "dtype": str(eng.dtype).replace("torch.", ""), "device": args.device, "threads": eng.threads,
         "batch": args.batch, "input_len": args.input_len, "output_len": args.output_len,
         "warmup": args.warmup, "repeats": args.repeats, "competing_load": args.competing_load, "seed": args.seed,
+        "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
         "weight_bytes": wbytes, "kv_bytes_per_token": kvtok,
         "quantization": eng.config.quantization,
         "quantization_group_size": eng.config.quantization_group_size if eng.config.quantization == "int4" else None,
@@ -192,7 +196,8 @@ def main(args: argparse.Namespace) -> int:
         f"model {info['model']} ({cfg.architecture}, {params / 1e6:.0f}M params), {info['dtype']}{quant}, "
         f"{args.device}, {eng.threads} threads\n"
         f"batch {args.batch} x input {args.input_len}, output {args.output_len} "
-        f"({args.output_len - 1} decode steps), warmup {args.warmup}, {args.repeats} timed runs per engine "
+        f"({args.output_len - 1} decode steps), {sampling_note(args)}, warmup {args.warmup}, "
+        f"{args.repeats} timed runs per engine "
         "(medians; spread = (max - min) / median)"
         + (f"; {args.competing_load} competing busy process(es) during the timed runs" if args.competing_load else "")
     )
@@ -211,9 +216,9 @@ def main(args: argparse.Namespace) -> int:
     load_before = load_average()
     warm_capture(eng)
     for w in warm:
-        _strata_run(llm, w, warm_len)
+        _strata_run(llm, w, warm_len, args)
     with CompetingLoad(args.competing_load):
-        strata_runs = [_strata_run(llm, b, args.output_len) for b in batches]
+        strata_runs = [_strata_run(llm, b, args.output_len, args) for b in batches]
     info["capture"] = capture_stats(eng)
     # DRAM bandwidth on a shared VM moves within seconds: measure again after the run and take
     # the higher figure, so MBU is against the best the machine showed around the run
@@ -225,12 +230,10 @@ def main(args: argparse.Namespace) -> int:
     rows = [_row("strata", results["strata"])]
     report = None
     if profile:
-        from strata.engine.sampling_params import SamplingParams
         from strata.kernels.profile import profile_decode
 
         again = random_prompts(np.random.default_rng(args.seed + 1000), vocab, [args.input_len] * args.batch, avoid)
-        sp = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-        report = profile_decode(eng, again, sp, top=5, trace=args.trace)
+        report = profile_decode(eng, again, sampling_params(args, args.output_len), top=5, trace=args.trace)
         report.unprofiled_step_ms = results["strata"]["ms_per_step"]
         results["strata"]["profile"] = report.to_dict()
 

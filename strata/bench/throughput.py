@@ -1,7 +1,8 @@
 """Offline throughput: many random-token requests through LLM.generate (continuous batching).
 
 Prompt and output lengths are drawn uniformly from the given ranges (deterministic in --seed);
-every request ignores EOS and runs to its own output length. With --compare hf the same requests
+every request ignores EOS and runs to its own output length, greedy (or sampled with --temperature /
+--top-p / --top-k). With --compare hf the same requests
 run through transformers `generate` in static, left-padded batches in the same process, on the
 same weights, dtype and thread count, and the table shows the Strata/HF ratio. Only each
 request's own output tokens are counted for both (HF's batch padding is not credited).
@@ -24,12 +25,16 @@ import torch
 
 from strata.bench.common import (
     add_model_args,
+    add_sampling_args,
     bench_engine_kwargs,
     capture_stats,
+    check_sampling_args,
     parse_range,
     random_prompts,
     ratio,
     resolve_model,
+    sampling_note,
+    sampling_params,
     special_ids,
     warm_capture,
     write_json,
@@ -48,6 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--input-len", default="32:512", help="prompt tokens, N or LO:HI uniform (default 32:512)")
     g.add_argument("--output-len", default="32:256", help="output tokens, N or LO:HI uniform (default 32:256)")
     g.add_argument("--seed", type=int, default=0, help="seed for lengths and token ids")
+    add_sampling_args(g)
     g.add_argument("--hf-batch-size", type=int, default=16, help="static batch size for --compare hf")
 
 
@@ -72,6 +78,7 @@ def main(args: argparse.Namespace) -> int:
         raise ConfigError(f"--num-prompts: must be >= 1, got {args.num_prompts}")
     if args.hf_batch_size < 1:
         raise ConfigError(f"--hf-batch-size: must be >= 1, got {args.hf_batch_size}")
+    check_sampling_args(args)
     in_lo, in_hi = parse_range(args.input_len, "--input-len")
     out_lo, out_hi = parse_range(args.output_len, "--output-len")
     rng = np.random.default_rng(args.seed)
@@ -83,13 +90,14 @@ def main(args: argparse.Namespace) -> int:
     eng = llm.engine
     avoid = special_ids(eng)
     prompts = random_prompts(rng, eng.model_config.vocab_size, in_lens, avoid)
-    params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for o in out_lens]
+    params = [sampling_params(args, o) for o in out_lens]
     prompt_tokens = sum(in_lens)
     info = {
         "benchmark": NAME, "model": str(eng.model_path), "architecture": eng.model_config.architecture,
         "params": eng.model_config.num_params(), "dtype": str(eng.dtype).replace("torch.", ""),
         "device": args.device, "threads": eng.threads, "num_prompts": args.num_prompts,
         "input_len": [in_lo, in_hi], "output_len": [out_lo, out_hi], "seed": args.seed,
+        "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
         "prompt_tokens": prompt_tokens, "output_tokens": sum(out_lens),
         "fuse": eng.config.fuse, "compile": eng.config.compile, "cuda_graphs": eng.config.cuda_graphs,
     }
@@ -97,7 +105,8 @@ def main(args: argparse.Namespace) -> int:
         f"model {info['model']} ({info['architecture']}, {info['params'] / 1e6:.0f}M params), "
         f"{info['dtype']}, {args.device}, {eng.threads} threads\n"
         f"{args.num_prompts} requests: input {in_lo}:{in_hi} (mean {prompt_tokens / args.num_prompts:.0f}), "
-        f"output {out_lo}:{out_hi} (mean {sum(out_lens) / args.num_prompts:.0f}), seed {args.seed}"
+        f"output {out_lo}:{out_hi} (mean {sum(out_lens) / args.num_prompts:.0f}), seed {args.seed}, "
+        f"{sampling_note(args)}"
     )
 
     warm_capture(eng)

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from strata import SamplingParams
 from strata.engine.request import Request, Sequence
-from strata.engine.sampler import Sampler, apply_min_p, apply_top_k_top_p
+from strata.engine.sampler import Sampler, _mask_by_sort, apply_min_p, apply_top_k_top_p, draw
 
 EOS = 2
 
@@ -74,7 +74,7 @@ def test_seeded_row_same_alone_and_in_any_batch():
 
 
 def test_seeded_draws_follow_the_distribution():
-    """argmax(p / Exp(1) noise) is a sample from p: check frequencies over many rows."""
+    """Each row is a sample from p: check frequencies over many rows."""
     probs = [0.5, 0.3, 0.2]
     logits = torch.tensor(probs).log().expand(6000, 3).contiguous()
     out = sample(logits, SamplingParams(temperature=1.0))
@@ -151,11 +151,13 @@ def _reference_top_k_top_p(row: torch.Tensor, k: int, p: float) -> tuple[set[int
     top_k=st.one_of(st.just(-1), st.integers(1, 70)),
     top_p=st.floats(0.01, 1.0),
     scale=st.sampled_from([0.1, 1.0, 5.0]),
+    candidates=st.sampled_from([1, 3, 1024]),  # small: the top-candidates path on small vocabularies
 )
-def test_apply_top_k_top_p_matches_reference(seed, vocab, top_k, top_p, scale):
+def test_apply_top_k_top_p_matches_reference(seed, vocab, top_k, top_p, scale, candidates):
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(2, vocab, generator=g) * scale
-    out = apply_top_k_top_p(logits, torch.tensor([top_k, -1]), torch.tensor([top_p, 1.0]))
+    out = apply_top_k_top_p(logits, torch.tensor([top_k, -1]), torch.tensor([top_p, 1.0]), candidates)
+    assert torch.equal(out[1], logits[1])  # the row asking for neither keeps every token
     allowed, margin = _reference_top_k_top_p(logits[0], top_k, top_p)
     assume(margin > 1e-4)
     kept = set(torch.isfinite(out[0]).nonzero().flatten().tolist())
@@ -177,6 +179,31 @@ def test_top_p_one_means_disabled_in_a_mixed_batch():
     out = apply_top_k_top_p(logits, torch.tensor([-1, 6]), torch.tensor([0.5, 1.0]))
     top6 = logits[1].topk(6).indices
     assert torch.isfinite(out[1]).sum() == 6 and torch.equal(out[1][top6], logits[1][top6])
+
+
+@pytest.mark.parametrize("scale", [0.05, 1.0, 8.0])  # flat rows reach past the candidates, peaked do not
+def test_top_candidates_give_the_full_sorts_sets_on_a_large_vocabulary(scale):
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(6, 50_000, generator=g) * scale
+    top_k = torch.tensor([-1, -1, 40, 2000, -1, 7])
+    top_p = torch.tensor([0.9, 0.5, 0.95, 0.8, 1.0, 1.0])
+    fast = apply_top_k_top_p(logits, top_k, top_p)
+    full = _mask_by_sort(logits, torch.where(top_k > 0, top_k, 50_000), top_p)
+    assert torch.equal(torch.isfinite(fast), torch.isfinite(full))
+    assert torch.equal(fast[torch.isfinite(fast)], logits[torch.isfinite(fast)])
+    assert torch.equal(fast[4], logits[4])  # top_k and top_p off
+
+
+def test_draw_follows_the_probabilities_and_never_a_zero():
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.3, 0.2, 0.0])
+    u = (torch.arange(10_000, dtype=torch.float64) + 0.5) / 10_000  # evenly spread uniforms
+    drawn = draw(probs.expand(10_000, -1), u)
+    counts = torch.bincount(drawn, minlength=6).double() / 10_000
+    assert torch.allclose(counts, probs.double(), atol=1e-3), counts
+    # unnormalised rows, and u at the ends of [0, 1): the first and the last live token
+    row = torch.tensor([[0.0, 2.0, 0.0, 3.0, 0.0]])
+    assert draw(row, torch.tensor([0.0], dtype=torch.float64)).item() == 1
+    assert draw(row, torch.tensor([1.0 - 2**-53], dtype=torch.float64)).item() == 3
 
 
 @settings(max_examples=100)
