@@ -111,6 +111,25 @@ def test_bad_flags_are_reported(tmp_path, capsys):
     assert "not both" in capsys.readouterr().err
 
 
+def test_sampled_workloads_run_and_say_so(tmp_path, capsys):
+    out = tmp_path / "lat.json"
+    common = ["--random-model", "tiny", "--dtype", "float32", "--threads", "1", "--temperature", "0.8",
+              "--top-p", "0.9", "--top-k", "20"]
+    assert main(["bench", "latency", *common, "--input-len", "8", "--output-len", "4", "--warmup", "0",
+                 "--repeats", "1", "--json", str(out)]) == 0
+    assert "sampled (temperature 0.8, top_p 0.9, top_k 20)" in capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert (data["temperature"], data["top_p"], data["top_k"]) == (0.8, 0.9, 20)
+    assert data["strata"]["decode_steps"] == 3  # ignore_eos: every request runs to its length
+    assert main(["bench", "throughput", *common, "--num-prompts", "3", "--input-len", "8", "--output-len", "4"]) == 0
+    assert "sampled (temperature 0.8" in capsys.readouterr().out
+    # transformers' loop is greedy: a sampled run beside it would time other work; bad values named
+    assert main(["bench", "latency", *common, "--compare", "hf"]) == 2
+    assert "--compare hf runs transformers greedily" in capsys.readouterr().err
+    assert main(["bench", "throughput", "--random-model", "tiny", "--top-p", "0"]) == 2
+    assert "top_p" in capsys.readouterr().err
+
+
 def test_latency_with_chunked_prefill_counts_only_steps_that_decode_the_whole_batch(tmp_path):
     """Prompts over the step budget prefill in chunks: the early sequences decode (and finish)
     sooner, so only the steps in which every sequence decodes count as batch decode steps."""
