@@ -59,7 +59,7 @@ FLAGS: tuple[_Flag, ...] = (
     _Flag("max_num_batched_tokens", "token budget of one step (prefill chunks + decodes)", type=int),
     _Flag("max_prefill_tokens_while_decoding", "decode-first: while sequences decode, prefill at most this "
           "many tokens a step, so running streams are not frozen behind a long prompt", type=int,
-          default_text="CPU: measured prefill rate x 0.15 s; GPU: no cap"),
+          default_text="strata serve on CPU: measured prefill rate x 0.10 s; offline LLM / GPU: no cap"),
     _Flag("num_threads", "compute threads", flag="--threads", type=int, default_text="physical cores"),
     _Flag("speculative_model", "speculative decoding: 'ngram' drafts by prompt lookup (tokens that followed "
           "the same n-gram earlier in the prompt or output), or a small draft model's directory (same "

@@ -111,12 +111,19 @@ def test_attached_only_where_it_applies(why, monkeypatch):
     assert decode_first.attach(engine) is None and engine.step_observers == []
 
 
-def test_offline_engines_keep_the_start_up_cap():
-    """LLM.generate's chunking does not depend on timing: no tuner unless the server attaches one."""
+def test_offline_engines_prefill_uncapped_unless_told():
+    """LLM.generate favours throughput: no decode-first cap (the server's), and its chunking does not
+    depend on timing: no tuner. A cap the user sets is kept."""
     from strata import LLM
 
     llm = LLM(None, dtype="float32", max_model_len=256, kv_cache_memory="8MiB")
     try:
         assert not any(isinstance(o, AdaptivePrefillCap) for o in llm.engine.step_observers)
+        assert llm.engine.scheduler.max_prefill_tokens_while_decoding is None
+    finally:
+        llm.engine.close()
+    llm = LLM(None, dtype="float32", max_model_len=256, kv_cache_memory="8MiB", max_prefill_tokens_while_decoding=48)
+    try:
+        assert llm.engine.scheduler.max_prefill_tokens_while_decoding == 48
     finally:
         llm.engine.close()
