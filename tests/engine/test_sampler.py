@@ -206,6 +206,20 @@ def test_draw_follows_the_probabilities_and_never_a_zero():
     assert draw(row, torch.tensor([1.0 - 2**-53], dtype=torch.float64)).item() == 3
 
 
+@pytest.mark.parametrize("vocab", [1000, 1024, 1031])  # blocks of 16: whole, and a short last block
+def test_two_level_draw_matches_the_one_level_draw(vocab):
+    g = torch.Generator().manual_seed(5)
+    probs = torch.rand(1, vocab, generator=g) ** 8  # uneven, with runs of near-zero tokens
+    probs[0, torch.randperm(vocab, generator=g)[: vocab // 3]] = 0.0  # a third can never be drawn
+    probs[0, -1] = 0.05  # the last token, in the short block when there is one, is drawable
+    u = (torch.arange(4000, dtype=torch.float64) + 0.5) / 4000
+    rows = probs.expand(4000, -1)
+    two, one = draw(rows, u, block=16), draw(rows, u, block=vocab)
+    assert (two == one).float().mean() > 0.999  # only a u within rounding of a boundary may differ
+    assert bool((probs[0, two] > 0).all())
+    assert draw(rows[:1], torch.tensor([1.0 - 2**-53], dtype=torch.float64), block=16).item() == vocab - 1
+
+
 @settings(max_examples=100)
 @given(seed=st.integers(0, 10_000), vocab=st.integers(2, 60), min_p=st.floats(0.0, 1.0))
 def test_apply_min_p_matches_reference(seed, vocab, min_p):
