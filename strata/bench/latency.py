@@ -1,12 +1,13 @@
 """Latency of one batch: prefill time, decode speed, and how close decode gets to the memory roofline.
 
 Runs --batch random-token prompts of --input-len tokens together, greedy (or sampled with
---temperature / --top-p / --top-k), ignoring EOS, for --output-len tokens each. Prefill time is the batch's time to first token; the remaining
-output-len - 1 tokens are decode steps. Decode streams every weight and each sequence's KV once
-per step, so achieved bandwidth = (weight bytes + mean KV bytes read per step) / step time, and
-MBU = that / this machine's memory bandwidth, measured in-process just before the runs. With
---quantization the weight bytes are the quantised ones (the engine's memory plan). Prefill
-FLOP/s is 2 x params x prompt tokens / prefill time (attention FLOPs not counted).
+--temperature / --top-p / --top-k), ignoring EOS, for --output-len tokens each. Prefill time is the
+batch's time to first token; the remaining output-len - 1 tokens are decode steps. Decode streams
+every weight and each sequence's KV once per step, so achieved bandwidth = (weight bytes + mean KV
+bytes read per step) / step time, and MBU = that / this machine's memory bandwidth, measured
+in-process just before the runs. With --quantization the weight bytes are the quantised ones (the
+engine's memory plan). Prefill FLOP/s is 2 x params x prompt tokens / prefill time (attention FLOPs
+not counted).
 
 With --compare hf, transformers runs the same prompts on the same weights, dtype and threads:
 one forward over the prompts for prefill, then a plain greedy loop over a DynamicCache.

@@ -55,6 +55,7 @@ def apply_top_k_top_p(
     vocab = logits.shape[-1]
     k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
     use_p = top_p < 1.0
+    any_p = bool(use_p.any())
     on_k = top_k > 0
     only_p = use_p & ~on_k  # rows whose nucleus is bounded by nothing but its mass
     width = max(int(k[on_k].max()) if bool(on_k.any()) else 1, candidates if bool(only_p.any()) else 1)
@@ -63,7 +64,8 @@ def apply_top_k_top_p(
     values, order = logits.topk(width, dim=-1)  # descending
     ranks = torch.arange(width, device=logits.device)
     values = values.masked_fill(ranks[None, :] >= k[:, None], _MASK)
-    if bool(use_p.any()):
+    wider = None  # rows whose nucleus may reach past the candidates
+    if any_p:
         # the probabilities the full sort sees: over the row's top-k when on, else over the
         # vocabulary (log-normaliser from the row's max, which topk gave: torch's logsumexp
         # measured ~5x slower over a vocabulary)
@@ -72,9 +74,9 @@ def apply_top_k_top_p(
         norm = torch.where(on_k[:, None], values.logsumexp(-1, keepdim=True), vocab_norm)
         probs = (values - norm).exp()
         values = _mask_nucleus(values, probs, top_p)
-        wider = only_p & (probs.sum(-1) < top_p)  # the nucleus may reach past the candidates
+        wider = only_p & (probs.sum(-1) < top_p)
     out = torch.full_like(logits, _MASK).scatter_(-1, order, values)
-    if bool(use_p.any()) and bool(wider.any()):  # those rows again: 8x the candidates once, then in full
+    if wider is not None and bool(wider.any()):  # those rows again: 8x the candidates once, then in full
         rows = wider.nonzero().squeeze(1)
         out[rows] = (apply_top_k_top_p(logits[rows], top_k[rows], top_p[rows], candidates * 8)
                      if candidates * 8 <= MAX_CANDIDATES else _mask_by_sort(logits[rows], k[rows], top_p[rows]))
