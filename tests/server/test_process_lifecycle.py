@@ -31,13 +31,19 @@ GENERATE = [sys.executable, "-m", "strata.cli", "generate", "--random-model", "s
             "--kv-cache-memory", "64MiB", "--max-model-len", "1024", "--swap-space", "16MiB"]
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Captured:
     """A subprocess whose stdout and stderr are read as they come (threads), to wait for markers."""
 
     def __init__(self, cmd: list[str], env: dict | None = None) -> None:
-        # its own session, so os.killpg sends what a terminal's Ctrl-C sends to the foreground group
+        # its own session, so os.killpg sends what a terminal's Ctrl-C sends to the foreground group;
+        # and SIGINT at its default, as under a terminal: a test run started where SIGINT is ignored
+        # (a shell's background job) would pass that on, and a Python started so keeps ignoring it
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                                     env={**os.environ, **(env or {})})
+                                     env={**os.environ, **(env or {})}, preexec_fn=_default_sigint)
         self.out, self.err = bytearray(), bytearray()
         self._threads = [threading.Thread(target=self._pump, args=(s, b), daemon=True)
                          for s, b in ((self.proc.stdout, self.out), (self.proc.stderr, self.err))]
