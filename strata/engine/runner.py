@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from strata.engine.scheduler import ScheduledSeq, SchedulerOutput
@@ -44,8 +45,12 @@ class ModelRunner:
         self.prompt_rows: list[tuple] = []
         self.prompt_logits: list[tuple] = []
 
-    def _tensor(self, data, dtype=torch.long) -> torch.Tensor:
-        return torch.tensor(data, dtype=dtype, device=self.device)
+    def _tensor(self, data) -> torch.Tensor:
+        """An int64 tensor of `data` (a list, or a list of equal-length lists) on the device. On
+        CPU through numpy: ~1 vs ~4 us a call, and a step makes 5-10 of them."""
+        if self.device.type == "cpu":
+            return torch.from_numpy(np.array(data, dtype=np.int64))
+        return torch.tensor(data, dtype=torch.long, device=self.device)
 
     def prepare(self, out: SchedulerOutput):
         """Build input ids, positions, attention metadata and the rows whose logits are needed
@@ -98,7 +103,7 @@ class ModelRunner:
             dpos_t = self._tensor(dpos)
             positions.append(dpos_t)
             slots.append(self._tensor(dslots))
-            decode_lens = dpos_t + 1
+            decode_lens = self._tensor([q + 1 for q in dpos])
             if self.backend.uses_decode_mask:  # torch/sdpa; the numba and Triton kernels read lengths
                 keys = torch.arange(max_blocks * bs, device=self.device)
                 decode_mask = (keys[None, :] <= dpos_t[:, None]).view(len(decodes), 1, 1, -1)

@@ -11,7 +11,9 @@ partial rotary, tensor-parallel shards, GeGLU) every layer runs eagerly. The lay
 (numpy views of weights, norms, biases, KV caches, kernel choice) are built once per model and row
 count, and rebuilt when a parameter or buffer is replaced or moved or the caches change: the caches
 checked every step, the parameters and buffers on the first step after a request was added
-(`recheck_weights`), never per layer. STRATA_FUSED_DECODE=0 turns it off (the eager per-kernel path,
+(`recheck_weights`), never per layer. The final norm and the LM head then run in one more compiled
+call (`finish`; CausalLM.compute_logits takes its logits), unless the head has no kernel here
+(a vocabulary-parallel head runs eagerly). STRATA_FUSED_DECODE=0 turns it off (the eager per-kernel path,
 e.g. to compare).
 """
 
@@ -107,7 +109,7 @@ def _layer_args(layer, rows: int) -> tuple | None:
 class FusedDecodeStep:
     """One decode step's shared buffers and arguments; `run` takes every layer through them."""
 
-    def __init__(self, model, rows: int, meta: AttentionMetadata) -> None:
+    def __init__(self, model, rows: int) -> None:
         cfg = model.config
         heads, kv_heads, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         hidden, inter = cfg.hidden_size, cfg.intermediate_size
@@ -115,14 +117,21 @@ class FusedDecodeStep:
         q3, attn3 = np.empty((rows, heads, d), e), np.empty((rows, heads, d), e)
         self.out, self.res_out = np.empty((rows, hidden), e), np.empty((rows, hidden), e)
         self.out_t, self.res_t = torch.from_numpy(self.out), torch.from_numpy(self.res_out)
-        self.common = (
-            np.ascontiguousarray(meta.slot_mapping.numpy()), meta.decode_block_tables.numpy(),
-            meta.decode_context_lens.numpy(), cpu_gemv.sync_threads(),
+        self.buffers = (  # scratch and outputs, reused by every step of this row count
             np.empty((rows, hidden), e), np.empty((rows, (heads + 2 * kv_heads) * d), e), q3, attn3,
             attn3.reshape(rows, heads * d), np.empty((rows, hidden), e), np.empty((rows, inter), e),
             self.out, self.res_out,
         )
         self.rows = rows
+        self.common: tuple = ()
+        self.threads = 1
+
+    def bind(self, meta: AttentionMetadata) -> FusedDecodeStep:
+        """This step's KV slots, block tables, lengths and thread count, before the buffers."""
+        self.threads = cpu_gemv.sync_threads()
+        self.common = (np.ascontiguousarray(meta.slot_mapping.numpy()), meta.decode_block_tables.numpy(),
+                       meta.decode_context_lens.numpy(), self.threads, *self.buffers)
+        return self
 
     @staticmethod
     def start(model, x: torch.Tensor, meta: AttentionMetadata | None, kv_caches) -> FusedDecodeStep | None:
@@ -137,7 +146,13 @@ class FusedDecodeStep:
             return None
         if not cpu_rope.usable(x, kv_caches[0]):  # fp32 or bf16 (kv_cache_dtype) CPU cache the kernels read
             return None
-        return FusedDecodeStep(model, x.shape[0], meta)
+        # one per model and row count (allocating its ~10 buffers measured 5-10 us a step)
+        steps = model.__dict__.setdefault("_fused_decode_steps", {})
+        rows = x.shape[0]
+        step = steps.get(rows)
+        if step is None:
+            step = steps[rows] = FusedDecodeStep(model, rows)
+        return step.bind(meta)
 
     def run(self, model, x: torch.Tensor, positions: torch.Tensor, kv_caches) -> tuple | None:
         """(MLP branch, residual) after every layer, or None when some layer cannot run fused
@@ -152,17 +167,38 @@ class FusedDecodeStep:
         cpu_decode_layer.decode_layers(x.contiguous().numpy(), layers, (cos, sin) + self.common)
         return self.out_t, self.res_t
 
-    def final_norm(self, norm) -> torch.Tensor | None:
-        """norm(MLP branch + residual) of the last layer on the step's buffers, or None when the
-        norm is not a plain RMSNorm."""
+    def finish(self, norm, head) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """(hidden, logits) after the last layer: norm(MLP branch + residual) on the step's buffers
+        and, in the same compiled call, the LM head's logits where the head has a kernel (else
+        None: the caller runs the head); None when the norm is not a plain RMSNorm."""
         args = norm.__dict__.get("_fused_decode_norm")
         if args is None or args[0] is not norm.weight or args[1] != norm.weight.data_ptr():
             args = norm.__dict__["_fused_decode_norm"] = (norm.weight, norm.weight.data_ptr(), _norm_args(norm))
         if args[2] is None:
             return None
         hidden = np.empty_like(self.out)
-        cpu_decode_layer.final_norm(self.out, self.res_out, *args[2], hidden)
-        return torch.from_numpy(hidden)
+        projection = _head_args(head, self.rows)
+        if projection is None:
+            cpu_decode_layer.final_norm(self.out, self.res_out, *args[2], hidden)
+            return torch.from_numpy(hidden), None
+        logits = np.empty((self.rows, projection[0].shape[0]), np.float32)
+        cpu_decode_layer.final_norm_head(self.out, self.res_out, *args[2], hidden, projection, self.threads, logits)
+        return torch.from_numpy(hidden), torch.from_numpy(logits)
+
+
+def _head_args(head, rows: int) -> tuple | None:
+    """The LM head's (weight, scale, bias, group, vnni) for a step of `rows`, or None when it has
+    no kernel here (e.g. a vocabulary-parallel head). Cached on the head; its parameters and
+    buffers are compared every step (two or three tensors: ~2 us)."""
+    cache = head.__dict__.get("_fused_decode_head")
+    if cache is None or not cache[0].unchanged():
+        cache = head.__dict__["_fused_decode_head"] = (_Snapshot(head.modules()), {})
+    by_rows = cache[1]
+    if rows not in by_rows:
+        p = _projection(head)
+        by_rows[rows] = None if p is None else (
+            *p[1:], uses_vnni(p[0], p[1].shape[1] * (2 if p[0] == "int4" else 1), rows, p[4]))
+    return by_rows[rows]
 
 
 def _norm_args(norm) -> tuple | None:

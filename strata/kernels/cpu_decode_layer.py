@@ -150,4 +150,21 @@ def final_norm(x, residual, weight, eps, out) -> None:
     cpu_norm._add_rms_norm(x, residual, weight, eps, out, residual, True)
 
 
+@kernel("decode_head")
+def final_norm_head(x, residual, weight, eps, hidden, head: tuple, threads: int, logits) -> None:
+    """final_norm into `hidden`, then logits = hidden @ head.T (+ bias), in one compiled call;
+    `head` is the LM head's (weight, scale, bias, group, vnni) as the layers' projections take them."""
+    _norm_head(x, residual, weight, eps, hidden, *head, threads, logits)
+
+
+if numba is not None:
+
+    @njit(cache=True)
+    def _norm_head(x, residual, weight, eps, hidden, w, s, b, group, vnni, threads, logits):  # pragma: no cover
+        cpu_norm._add_rms_norm(x, residual, weight, eps, hidden, residual, True)
+        project(w, s, hidden, logits, group, vnni, threads)
+        if b.shape[0]:
+            _add_bias(logits, b)
+
+
 NO_ARRAY = np.empty(0, np.float32)  # an absent bias or scale

@@ -76,6 +76,26 @@ def test_fused_decode_weight_formats(quantization, threads, tiny_models, llm_fac
     _assert_same(fused, _run(llm, prompts, monkeypatch, False), 1e-5)
 
 
+@pytest.mark.parametrize("quantization", [None, "bf16", "int8", "int4"])
+def test_the_lm_head_runs_in_the_final_norms_call(quantization, tiny_models, llm_factory, prompt_of, monkeypatch):
+    """Every fused step's logits come from the head run beside the final norm (one compiled
+    call), and they are the eager head's (the tokens and logprobs above; here that it ran)."""
+    heads = []
+    real = cpu_decode_layer.final_norm_head
+
+    def counting(x, residual, weight, eps, hidden, head, threads, logits):
+        heads.append(logits.shape)
+        return real(x, residual, weight, eps, hidden, head, threads, logits)
+
+    monkeypatch.setattr(cpu_decode.cpu_decode_layer, "final_norm_head", counting)
+    model = tiny_models["llama"]
+    llm = llm_factory(model, quantization=quantization, enable_prefix_caching=False)
+    prompts = [prompt_of(30 + i, 4 + 3 * i) for i in range(3)]
+    fused = _run(llm, prompts, monkeypatch, True)
+    assert heads == [(3, model.vocab_size)] * 11  # 12 tokens: 11 all-decode steps of 3 rows
+    _assert_same(fused, _run(llm, prompts, monkeypatch, False), 1e-5)
+
+
 def test_steps_above_the_row_limit_run_eagerly(tiny_models, llm_factory, prompt_of, monkeypatch, count_fused):
     rows = cpu_decode.MAX_ROWS + 2
     llm = llm_factory(tiny_models["llama"], max_num_seqs=rows, kv_cache_memory="4MiB", enable_prefix_caching=False)
@@ -92,8 +112,10 @@ def test_a_moved_weight_rebuilds_the_layer_arguments(tiny_models, llm_factory, p
     prompts = [prompt_of(60, 7)]
     before = _run(llm, prompts, monkeypatch, True)
     layer = llm.engine.model.layers[0]
+    head = llm.engine.model.lm_head
     with torch.no_grad():  # new storage, different values: the cached numpy views must not be used
         layer.mlp.down_proj.weight.data = layer.mlp.down_proj.weight.data * 0.5
+        head.weight.data = head.weight.data * 0.5  # (the fused head's views too)
     after_fused = _run(llm, prompts, monkeypatch, True)
     after_eager = _run(llm, prompts, monkeypatch, False)
     _assert_same(after_fused, after_eager, 1e-5)

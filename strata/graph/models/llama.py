@@ -208,8 +208,11 @@ class CausalLM(nn.Module):
         fused = FusedDecodeStep.start(self, x, meta, kv_caches)  # CPU decode: the layers in one loop
         out = None if fused is None else fused.run(self, x, positions, kv_caches)
         if out is not None:
-            hidden = fused.final_norm(self.norm)  # on the step's buffers too
-            if hidden is not None:
+            done = fused.finish(self.norm, self.lm_head)  # on the step's buffers too
+            if done is not None:
+                hidden, logits = done
+                # compute_logits(hidden) takes these: the head ran in the norm's compiled call
+                self.__dict__["_fused_logits"] = None if logits is None else (hidden, logits)
                 return hidden
             x, residual = out
         else:
@@ -223,6 +226,7 @@ class CausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden)
+        fused = self.__dict__.pop("_fused_logits", None)  # the fused decode step's, for this hidden
+        logits = fused[1] if fused is not None and fused[0] is hidden else self.lm_head(hidden)
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
