@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -68,11 +69,32 @@ def bracketed(before: dict | None, after: dict | None, key: str) -> tuple[float 
     return (sum(values) / len(values) if values else None), values
 
 
+def median_rounds(per_round: list[dict[str, dict]]) -> dict[str, dict]:
+    """One entry per row key: each figure the median over the rounds that measured it (others'
+    CPU: the highest), and with more than one round the rounds' own figures as round_figures."""
+    out: dict[str, dict] = {}
+    for key in dict.fromkeys(k for got in per_round for k in got):
+        entries = [got[key] for got in per_round if key in got]
+        merged: dict[str, Any] = dict(entries[-1])
+        for f in ("prefill_tps", "decode_tps", "prefill_stddev", "decode_stddev", "mbu", "achieved_gbs"):
+            values = [e[f] for e in entries if e.get(f) is not None]
+            if f in merged:
+                merged[f] = statistics.median(values) if values else None
+        busy = [e["others_cpu"] for e in entries if e.get("others_cpu") is not None]
+        merged["others_cpu"] = max(busy) if busy else None
+        if len(per_round) > 1:
+            merged["round_figures"] = [{f: e.get(f) for f in ("prefill_tps", "decode_tps")} for e in entries]
+        out[key] = merged
+    return out
+
+
 def part_latency(ctx: Ctx, shape: str, ggufs: dict[str, Path]) -> dict:
     """Per precision: llama-bench on its GGUF(s), Strata's run, llama-bench again; llama.cpp's
     figure is the mean of the two. The dev VM's DRAM bandwidth drifts by up to 2x within minutes,
     so measuring each engine's rows minutes apart made the ratios move +-25% between runs;
-    bracketing puts both engines under the same drift (to first order)."""
+    bracketing puts both engines under the same drift (to first order). With --latency-rounds N
+    every precision is measured N times, round-robin (so a precision's rounds are minutes
+    apart), and each figure is the median of its rounds (round_figures keeps each round)."""
     wl, args = ctx.wl, ctx.args
     res: dict[str, Any] = {"loadavg_before": loadavg(), "llama_bracketed": True}
     out_dir = ctx.run_dir / "latency"
@@ -106,30 +128,38 @@ def part_latency(ctx: Ctx, shape: str, ggufs: dict[str, Path]) -> dict:
             return read_json(f), others_cpu(ctx.last)
         return measure(ctx, f"{shape} strata bench latency {tag}", run)
 
-    for tag, extra, types in LATENCY_PAIRS:
-        rows_before, busy_before = llama(types, "before")
-        d, busy = strata(extra, tag)
-        rows_after, busy_after = llama(types, "after")
-        all_rows += rows_before + rows_after
-        for t in types:
-            name = ggufs[t].name
-            entry: dict[str, Any] = {"others_cpu": max((b for b in (busy_before, busy_after) if b is not None), default=None)}
-            for phase, p, n, depth in (("prefill", wl.lat_in, 0, 0), ("decode", 0, wl.lat_out, wl.lat_in)):
-                before, after = pick_bench(rows_before, name, p, n, depth), pick_bench(rows_after, name, p, n, depth)
-                entry[f"{phase}_tps"], entry[f"{phase}_tps_runs"] = bracketed(before, after, "avg_ts")
-                entry[f"{phase}_stddev"] = bracketed(before, after, "stddev_ts")[0]
-                entry.setdefault("model_type", (before or after or {}).get("model_type"))
-            res[f"llama_{t}"] = entry
-        if tag == "fp32":
-            for key, src in (("strata_fp32", "strata"), ("hf_fp32", "hf")):
-                if d.get(src):
-                    res[key] = {"prefill_tps": d[src]["prefill_tokens_per_s"], "decode_tps": d[src]["decode_tokens_per_s"],
-                                "mbu": d[src].get("mbu"), "achieved_gbs": d[src].get("achieved_gbs"), "others_cpu": busy}
-            res["mem_bandwidth_gbs_fp32_run"] = d.get("mem_bandwidth_gbs")
-        else:
-            res[f"strata_{tag}"] = {"prefill_tps": d["strata"]["prefill_tokens_per_s"],
-                                    "decode_tps": d["strata"]["decode_tokens_per_s"], "mbu": d["strata"].get("mbu"),
-                                    "others_cpu": busy}
+    rounds = max(1, getattr(args, "latency_rounds", 1))
+    per_round: list[dict[str, dict]] = []
+    for r in range(rounds):
+        got: dict[str, dict] = {}
+        for tag, extra, types in LATENCY_PAIRS:
+            when = "" if rounds == 1 else f"-r{r + 1}"
+            rows_before, busy_before = llama(types, "before" + when)
+            d, busy = strata(extra, tag + when)
+            rows_after, busy_after = llama(types, "after" + when)
+            all_rows += rows_before + rows_after
+            for t in types:
+                name = ggufs[t].name
+                entry: dict[str, Any] = {"others_cpu": max((b for b in (busy_before, busy_after) if b is not None), default=None)}
+                for phase, p, n, depth in (("prefill", wl.lat_in, 0, 0), ("decode", 0, wl.lat_out, wl.lat_in)):
+                    before, after = pick_bench(rows_before, name, p, n, depth), pick_bench(rows_after, name, p, n, depth)
+                    entry[f"{phase}_tps"], entry[f"{phase}_tps_runs"] = bracketed(before, after, "avg_ts")
+                    entry[f"{phase}_stddev"] = bracketed(before, after, "stddev_ts")[0]
+                    entry.setdefault("model_type", (before or after or {}).get("model_type"))
+                got[f"llama_{t}"] = entry
+            if tag == "fp32":
+                for key, src in (("strata_fp32", "strata"), ("hf_fp32", "hf")):
+                    if d.get(src):
+                        got[key] = {"prefill_tps": d[src]["prefill_tokens_per_s"], "decode_tps": d[src]["decode_tokens_per_s"],
+                                    "mbu": d[src].get("mbu"), "achieved_gbs": d[src].get("achieved_gbs"), "others_cpu": busy}
+                res["mem_bandwidth_gbs_fp32_run"] = d.get("mem_bandwidth_gbs")
+            else:
+                got[f"strata_{tag}"] = {"prefill_tps": d["strata"]["prefill_tokens_per_s"],
+                                        "decode_tps": d["strata"]["decode_tokens_per_s"], "mbu": d["strata"].get("mbu"),
+                                        "others_cpu": busy}
+        per_round.append(got)
+    res.update(median_rounds(per_round))
+    res["rounds"] = rounds
     (out_dir / f"llama-bench-{shape}.json").write_text(json.dumps(all_rows, indent=2) + "\n")
     if all_rows:
         ctx.results["versions"]["llama_cpp"].setdefault("build_number", all_rows[0].get("build_number"))

@@ -44,6 +44,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", default=",".join(PARTS), help=f"parts to run, comma-separated ({', '.join(PARTS)})")
     p.add_argument("--shapes", default="smol-135m,qwen-0.5b", help="shapes for the latency part")
+    p.add_argument("--latency-rounds", type=int, default=2,
+                   help="measure every latency row this many times, round-robin over the precisions; "
+                   "figures are the rounds' medians, ratios show the rounds' range (default %(default)s)")
     p.add_argument("--load-shapes", default="smol-135m", help="shapes for the throughput and serving parts")
     p.add_argument("--quick", action="store_true",
                    help="tiny workloads, a smoke test; writes the report under the cache, not docs/")
@@ -80,6 +83,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out-md", default=None, help=f"markdown report (default {DEFAULT_MD.relative_to(REPO)})")
     p.add_argument("--out-json", default=None, help=f"results JSON (default {DEFAULT_JSON.relative_to(REPO)})")
     args = p.parse_args(argv)
+    if args.latency_rounds < 1:
+        p.error(f"--latency-rounds: must be >= 1, got {args.latency_rounds}")
     bad = set(args.only.split(",")) - set(PARTS)
     if bad:
         p.error(f"--only: unknown part(s) {', '.join(sorted(bad))}; choose from {', '.join(PARTS)}")

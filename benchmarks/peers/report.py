@@ -69,6 +69,7 @@ def render_markdown(res: dict) -> str:
       "benchmarks/peers/run.sh                    # prepare (cached) + every part; rewrites this page\n"
       "benchmarks/peers/run.sh --quick            # smoke run, tiny workloads; report under the cache\n"
       "benchmarks/peers/run.sh --only latency --shapes qwen-0.5b\n"
+      "benchmarks/peers/run.sh --only latency --latency-rounds 3   # each batch-1 row in 3 rounds (default 2)\n"
       "benchmarks/peers/run.sh --prepare-only     # download, build, convert, verify; no benchmarks\n"
       "benchmarks/peers/run.sh --report-only      # re-render this page from benchmarks/peers/results.json\n"
       "benchmarks/peers/run.sh --help             # shapes, slots, SLO, rates, quiet-machine waiting, retries\n"
@@ -137,7 +138,12 @@ def render_markdown(res: dict) -> str:
       + "). Strata and "
       f"transformers are the median of {STRATA_REPEATS} timed runs after a warm-up (`strata bench latency --repeats {STRATA_REPEATS}`, transformers via "
       "`--compare hf`: one prefill forward, then a greedy loop over a DynamicCache). "
-      "\"Strata ÷ this\" > 1 means Strata is faster.\n")
+      "\"Strata ÷ this\" > 1 means Strata is faster."
+      + (f" Every row was measured in {rounds} rounds (round-robin over the precisions, so a row's rounds are "
+         "minutes apart); each figure is the median of its rounds, the ratio is the median of the rounds' "
+         "own ratios (each round brackets Strata's run) and the range in brackets is theirs." if (rounds := max(
+             (sr.get("rounds") or 1 for sr in (res.get("latency") or {}).values()), default=1)) > 1 else "")
+      + "\n")
     w("Comparable precision, row by row: Strata's bf16 stores the weights in bf16 (rounded from the fp32 "
       "checkpoint exactly as the bf16 GGUF is) and computes with fp32 activations (decode reads the weights "
       "narrow; prefill uses the GEMM `dtype=auto` measured fastest, oneDNN bf16 where the CPU has bf16 "

@@ -6,6 +6,7 @@ Unit-tested in tests/bench/test_peers.py.
 from __future__ import annotations
 
 import math
+import statistics
 from typing import Any
 
 from .figures import ratio
@@ -56,6 +57,28 @@ LATENCY_ROWS = (
 )
 
 
+def round_ratios(base: dict | None, peer: dict, key: str) -> list[float]:
+    """Strata ÷ peer of one figure in each latency round both rows measured (--latency-rounds)."""
+    pairs = zip((base or {}).get("round_figures") or [], peer.get("round_figures") or [])
+    return [r for b, p in pairs if (r := ratio(b.get(key), p.get(key))) is not None]
+
+
+def latency_ratio(base: dict | None, peer: dict, key: str) -> float | None:
+    """Strata ÷ peer of a latency figure: the median of the rounds' own ratios (each round
+    brackets Strata's run with the peer's), or with one round the figures' ratio."""
+    each = round_ratios(base, peer, key)
+    if each:
+        return statistics.median(each)
+    return ratio(base.get(key), peer.get(key)) if base else None
+
+
+def _ratio_cell(base: dict | None, peer: dict, key: str) -> str:
+    """latency_ratio, and with several rounds the range the rounds gave."""
+    each = round_ratios(base, peer, key)
+    text = fmt_ratio(latency_ratio(base, peer, key))
+    return f"{text} ({min(each):.2f}-{max(each):.2f})" if len(each) > 1 else text
+
+
 def latency_table(shape_res: dict[str, dict]) -> str:
     """Markdown table of one shape's batch-1 figures: rows from LATENCY_ROWS that were measured."""
     rows = []
@@ -65,11 +88,9 @@ def latency_table(shape_res: dict[str, dict]) -> str:
             continue
         base = shape_res.get(vs) if vs else None
         pre, dec = r.get("prefill_tps"), r.get("decode_tps")
-        rp = ratio(base.get("prefill_tps"), pre) if base else None
-        rd = ratio(base.get("decode_tps"), dec) if base else None
+        cells = [_ratio_cell(base, r, k) if vs else "" for k in ("prefill_tps", "decode_tps")]
         ms = 1e3 / dec if dec else None
-        rows.append([engine, weights, pre, dec, ms,
-                     fmt_ratio(rp) if vs else "", fmt_ratio(rd) if vs else "", fmt_cpu(r.get("others_cpu"))])
+        rows.append([engine, weights, pre, dec, ms, *cells, fmt_cpu(r.get("others_cpu"))])
     return md_table(["engine", "weights", "prefill tok/s", "decode tok/s", "decode ms/token",
                      "Strata ÷ this, prefill", "Strata ÷ this, decode", "others' CPU"], rows)
 
@@ -157,7 +178,7 @@ def findings(res: dict) -> list[str]:
             if vs and sr.get(key) and sr.get(vs):
                 for k, what in (("prefill_tps", "prefill tok/s"), ("decode_tps", "decode tok/s")):
                     add(f"{shape} batch-1 {what}, {engine} {weights.split(' (')[0]}",
-                        ratio(sr[vs].get(k), sr[key].get(k)))
+                        latency_ratio(sr[vs], sr[key], k))
     for shape, tp in (res.get("throughput") or {}).items():
         for key, engine, _how, vs, r in throughput_rows(tp):
             if vs and tp.get(vs):

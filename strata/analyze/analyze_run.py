@@ -30,7 +30,9 @@ OP_CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (  # first match wins
     ("attention", ("attention", "scaled_dot_product", "sdpa", "softmax", "flash", "paged_decode")),
     ("memory", ("index_select", "index_copy", "index_put", "copy_", "kv_write", "write_kv", "swap",
                 "clone", "contiguous", "gather", "scatter", "cat", "stack", "fill_", "zero_", "to_copy")),
-    ("gemm", ("mm", "linear", "matmul", "gemv", "bmm", "quant", "int8", "int4", "baddbmm", "einsum")),
+    # (decode_head: the CPU decode step's LM head GEMV, with the final norm in the same call)
+    ("gemm", ("mm", "linear", "matmul", "gemv", "bmm", "quant", "int8", "int4", "baddbmm", "einsum",
+              "decode_head")),
     ("norm_elementwise", ("norm", "rsqrt", "silu", "swiglu", "mul", "add", "sub", "div", "neg", "exp", "pow",
                           "mean", "rope", "rotary", "sigmoid", "where", "masked", "embedding", "tanh", "sum")),
 )

@@ -116,6 +116,7 @@ class DecodeProbe:
         with torch.device(self.device):
             self.model = CausalLM(built, max_positions=max(PROBE_CONTEXT, PREFILL_MAX_TOKENS) + 1).to(dtype).eval()
         self.model.requires_grad_(False)
+        self.model.fused_head = False  # the forward is the layers only; the head is timed apart
         store_like_engine(self.model, quantization, group, device)
         self.layers = built.num_layers
         self.backend = select_backend("auto", device, dtype)

@@ -169,15 +169,15 @@ class FusedDecodeStep:
 
     def finish(self, norm, head) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """(hidden, logits) after the last layer: norm(MLP branch + residual) on the step's buffers
-        and, in the same compiled call, the LM head's logits where the head has a kernel (else
-        None: the caller runs the head); None when the norm is not a plain RMSNorm."""
+        and, in the same compiled call, the LM head's logits where the head has a kernel (else, or
+        with head None, None: the caller runs the head); None when the norm is not a plain RMSNorm."""
         args = norm.__dict__.get("_fused_decode_norm")
         if args is None or args[0] is not norm.weight or args[1] != norm.weight.data_ptr():
             args = norm.__dict__["_fused_decode_norm"] = (norm.weight, norm.weight.data_ptr(), _norm_args(norm))
         if args[2] is None:
             return None
         hidden = np.empty_like(self.out)
-        projection = _head_args(head, self.rows)
+        projection = None if head is None else _head_args(head, self.rows)
         if projection is None:
             cpu_decode_layer.final_norm(self.out, self.res_out, *args[2], hidden)
             return torch.from_numpy(hidden), None

@@ -169,6 +169,8 @@ def test_operator_classes():
     assert classify("aten::_scaled_dot_product_flash_attention_for_cpu") == "attention"
     assert classify("aten::index_select") == "memory"
     assert classify("aten::rms_norm") == "norm_elementwise"
+    # the CPU decode step's one-call layers, and its LM head (a GEMV with the final norm)
+    assert classify("numba::decode_layer") == "decoder_layer" and classify("numba::decode_head") == "gemm"
 
 
 def test_slow_tokenizer_is_named(monkeypatch, cpu_profile):

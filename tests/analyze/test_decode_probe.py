@@ -28,6 +28,7 @@ from strata.analyze.plan import (
     this_device,
 )
 from strata.graph.layers import Linear
+from strata.kernels import cpu_decode_layer
 from strata.memory.quant import QuantLinear
 
 TIMES = DecodeTimes(batches=(1, 16, 64), layer_s=(0.001, 0.004, 0.010), head_s=(0.002, 0.003, 0.007),
@@ -55,7 +56,7 @@ def test_decode_step_composes_the_probe(cpu_profile) -> None:
 
 
 @pytest.mark.parametrize("quantization", [None, "bf16", "int8", "int4"])
-def test_probe_builds_the_engines_weight_format_and_times_every_batch(quantization) -> None:
+def test_probe_builds_the_engines_weight_format_and_times_every_batch(quantization, monkeypatch) -> None:
     cfg, _ = resolve_model("tiny")
     probe = DecodeProbe(cfg, torch.float32, quantization, 32)
     assert probe.layers == cfg.num_layers  # a tiny model: all of it (what the cache holds is as in a run)
@@ -65,9 +66,14 @@ def test_probe_builds_the_engines_weight_format_and_times_every_batch(quantizati
     else:
         assert type(qkv) is Linear
         assert qkv.weight.dtype == (torch.bfloat16 if quantization == "bf16" else torch.float32)
+    fused_heads = []
+    monkeypatch.setattr(cpu_decode_layer, "final_norm_head", lambda *a: fused_heads.append(a))
     times = probe.retime()
     assert times.batches == PROBE_BATCHES and times.context == PROBE_CONTEXT
     assert all(t > 0 for t in times.layer_s + times.head_s)
+    # the layers' forward leaves the head out (the engine's fused decode step runs it beside the
+    # final norm, and layer_s would count it too); the head is timed on its own
+    assert fused_heads == []
 
 
 def test_layers_built_span_the_cache_but_never_exceed_the_model() -> None:

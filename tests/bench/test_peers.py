@@ -208,3 +208,30 @@ def test_llama_latency_figure_is_the_mean_of_the_runs_bracketing_strata():
     # every GGUF type the run prepares is bracketed around exactly one Strata format
     paired = [t for _, _, types in parts.LATENCY_PAIRS for t in types]
     assert sorted(paired) == sorted(settings.GGUF_TYPES)
+
+
+def test_latency_rounds_take_the_median_and_show_the_range():
+    parts, tables = _peers("parts"), _peers("tables")
+    rounds = [
+        {"strata_fp32": {"prefill_tps": 500.0, "decode_tps": 50.0, "others_cpu": 1.0},
+         "llama_f32": {"prefill_tps": 400.0, "decode_tps": 55.0, "others_cpu": 0.0}},
+        {"strata_fp32": {"prefill_tps": 600.0, "decode_tps": 40.0, "others_cpu": 5.0},
+         "llama_f32": {"prefill_tps": 500.0, "decode_tps": 40.0, "others_cpu": None}},
+        {"strata_fp32": {"prefill_tps": 550.0, "decode_tps": 60.0, "others_cpu": 2.0}},  # llama's failed
+    ]
+    merged = parts.median_rounds(rounds)
+    s, ll = merged["strata_fp32"], merged["llama_f32"]
+    assert (s["prefill_tps"], s["decode_tps"], s["others_cpu"]) == (550.0, 50.0, 5.0)
+    assert (ll["prefill_tps"], ll["decode_tps"], ll["others_cpu"]) == (450.0, 47.5, 0.0)
+    assert len(s["round_figures"]) == 3 and len(ll["round_figures"]) == 2
+    # rounds pair in order; the ratio is the median of the paired rounds' ratios (not the ratio of
+    # the medians, which round 3's unpaired Strata figure would move: 50 / 47.5), with their range
+    assert tables.round_ratios(s, ll, "decode_tps") == [50.0 / 55.0, 1.0]
+    assert tables.latency_ratio(s, ll, "decode_tps") == (50.0 / 55.0 + 1.0) / 2
+    table = tables.latency_table(merged)
+    assert f"{(500 / 400 + 600 / 500) / 2:.2f}x ({600 / 500:.2f}-{500 / 400:.2f})" in table
+    assert f"{(50 / 55 + 1) / 2:.2f}x ({50 / 55:.2f}-1.00)" in table
+    # one round: the figures as measured, no round figures, no range
+    single = parts.median_rounds(rounds[:1])
+    assert single["llama_f32"]["decode_tps"] == 55.0 and "round_figures" not in single["llama_f32"]
+    assert "(" not in tables.latency_table(single).splitlines()[-1].split("|")[6]

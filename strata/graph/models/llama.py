@@ -183,6 +183,9 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(layer_cls(cfg, i) for i in range(cfg.num_layers))
         self.norm = _norm(cfg, cfg.hidden_size)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # the fused CPU decode step runs the head beside the final norm (compute_logits takes its
+        # logits); the planner's decode probe turns this off to time the layers and the head apart
+        self.fused_head = True
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -208,7 +211,7 @@ class CausalLM(nn.Module):
         fused = FusedDecodeStep.start(self, x, meta, kv_caches)  # CPU decode: the layers in one loop
         out = None if fused is None else fused.run(self, x, positions, kv_caches)
         if out is not None:
-            done = fused.finish(self.norm, self.lm_head)  # on the step's buffers too
+            done = fused.finish(self.norm, self.lm_head if self.fused_head else None)  # on the step's buffers too
             if done is not None:
                 hidden, logits = done
                 # compute_logits(hidden) takes these: the head ran in the norm's compiled call
