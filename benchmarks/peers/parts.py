@@ -128,7 +128,7 @@ def part_latency(ctx: Ctx, shape: str, ggufs: dict[str, Path]) -> dict:
             return read_json(f), others_cpu(ctx.last)
         return measure(ctx, f"{shape} strata bench latency {tag}", run)
 
-    rounds = max(1, getattr(args, "latency_rounds", 1))
+    rounds = args.latency_rounds
     per_round: list[dict[str, dict]] = []
     for r in range(rounds):
         got: dict[str, dict] = {}

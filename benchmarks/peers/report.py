@@ -127,6 +127,7 @@ def render_markdown(res: dict) -> str:
            if bi.get("build_s") else "") + ".\n")
 
     w("## Batch-1 latency\n")
+    rounds = max((sr.get("rounds") or 1 for sr in (res.get("latency") or {}).values()), default=1)
     bracketed = any(sr.get("llama_bracketed") for sr in (res.get("latency") or {}).values())
     w(f"One sequence, {wl.get('lat_in')}-token prompt of random token ids, {wl.get('lat_out')} output tokens, "
       "2 threads for every engine. Prefill tok/s = prompt tokens / time to the first token. Decode tok/s "
@@ -141,8 +142,8 @@ def render_markdown(res: dict) -> str:
       "\"Strata ÷ this\" > 1 means Strata is faster."
       + (f" Every row was measured in {rounds} rounds (round-robin over the precisions, so a row's rounds are "
          "minutes apart); each figure is the median of its rounds, the ratio is the median of the rounds' "
-         "own ratios (each round brackets Strata's run) and the range in brackets is theirs." if (rounds := max(
-             (sr.get("rounds") or 1 for sr in (res.get("latency") or {}).values()), default=1)) > 1 else "")
+         "own ratios (each round brackets Strata's run) and the range in brackets is theirs."
+         if rounds > 1 else "")
       + "\n")
     w("Comparable precision, row by row: Strata's bf16 stores the weights in bf16 (rounded from the fp32 "
       "checkpoint exactly as the bf16 GGUF is) and computes with fp32 activations (decode reads the weights "

@@ -81,6 +81,12 @@ class _Snapshot:
                 and list(map(torch.Tensor.data_ptr, self.tensors)) == self.ptrs)
 
 
+def _vnni(projection: tuple, rows: int) -> bool:
+    """Whether a `_projection` runs its int8-activation kernel at `rows` input rows."""
+    fmt, w, _, _, group = projection
+    return uses_vnni(fmt, w.shape[1] * (2 if fmt == "int4" else 1), rows, group)  # int4: 2 a byte
+
+
 def _layer_args(layer, rows: int) -> tuple | None:
     """The layer's own arguments of cpu_decode_layer._layer, or None when it cannot run fused."""
     if not getattr(type(layer), "one_call_decode", False):  # a Llama-shaped layer class says so
@@ -97,8 +103,7 @@ def _layer_args(layer, rows: int) -> tuple | None:
     (_, wq, sq, bq, gq), (_, wo, so, bo, go), (_, wg, sg, bg, gg), (_, wd, sd, bd, gd) = parts
     if bg.shape[0]:  # the SwiGLU kernels take no bias
         return None
-    vnni = [uses_vnni(fmt, w.shape[1] * (2 if fmt == "int4" else 1), rows, g)  # int4: 2 a byte
-            for fmt, w, _, _, g in parts]
+    vnni = [_vnni(p, rows) for p in parts]
     return (
         norms[0].weight.detach().numpy(), norms[1].weight.detach().numpy(), np.float32(norms[0].eps),
         wq, sq, bq, gq, vnni[0], wo, so, bo, go, vnni[1], wg, sg, gg, vnni[2], wd, sd, bd, gd, vnni[3],
@@ -196,8 +201,7 @@ def _head_args(head, rows: int) -> tuple | None:
     by_rows = cache[1]
     if rows not in by_rows:
         p = _projection(head)
-        by_rows[rows] = None if p is None else (
-            *p[1:], uses_vnni(p[0], p[1].shape[1] * (2 if p[0] == "int4" else 1), rows, p[4]))
+        by_rows[rows] = None if p is None else (*p[1:], _vnni(p, rows))
     return by_rows[rows]
 
 
