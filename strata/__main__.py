@@ -38,13 +38,18 @@ def main() -> int:
     try:
         from strata.cli import main as cli_main
 
+        if _interrupted:  # a Ctrl-C during the imports that some library's bare except swallowed
+            raise KeyboardInterrupt
         code = cli_main()  # prints "interrupted" itself for a KeyboardInterrupt it sees
     except BaseException as e:
         if not (_interrupted or isinstance(e, KeyboardInterrupt)):
             raise
         print("interrupted", file=sys.stderr)
         code = 130
-    if code == 130 or _interrupted:
+    if _interrupted and code != 130:  # swallowed later on: still the one line
+        print("interrupted", file=sys.stderr)
+        code = 130
+    if code == 130:
         _leave(130)
     return code
 
