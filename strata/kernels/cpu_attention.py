@@ -33,8 +33,11 @@ if numba is not None:
 
     _LOG2E = np.float32(1.4426950408889634)
     _LN2 = np.float32(0.6931471805599453)
-    _SPLIT_MIN_KEYS = 32  # a sequence is split only when each part keeps this many keys
+    # split a sequence only into parts of at least this much work (keys x query heads x head_dim):
+    # 32 keys of smol-135m's 9 heads of 64 (measured on the Zen 4 dev VM, batch 1, 16-4000 keys)
+    _SPLIT_MIN_WORK = 32 * 9 * 64
     _SPLIT_ITEMS = 8  # split until (sequences x parts) reaches this many items
+    _PARALLEL_MERGE = 1 << 15  # merge (sequences x heads x head_dim) outputs in parallel from this many
 
     @njit(fastmath=True, cache=True, inline="always")
     def _exp_nonpositive(x, n, bits):  # pragma: no cover - compiled
@@ -83,89 +86,122 @@ if numba is not None:
                 rows[pos - start + j] = (blk * block + off + j) * kv_heads
             pos += min(block - off, stop - pos)
 
+    @njit(fastmath=True, cache=True)
+    def _attend_part(q, k_cache, v_cache, tables, lens, scale, window, parts, item,
+                     part_max, part_sum, part_acc):  # pragma: no cover - compiled
+        """Work item `item` = (sequence, part of its keys): every KV head's scores, their softmax
+        numerators (max and sum kept per query head) and the unnormalised sum of p * v."""
+        heads, dim = q.shape[1], q.shape[2]
+        block, kv_heads = k_cache.shape[1], k_cache.shape[2]
+        group = heads // kv_heads
+        acc = part_acc[item]
+        for kh in range(kv_heads):  # explicit loops: under parallel=True np.zeros is a parallel region
+            for g in range(group):
+                part_sum[item, kh, g] = 0.0
+                for d in range(dim):
+                    acc[kh, g, d] = 0.0
+        b, part = item // parts, item % parts
+        first = 0 if window <= 0 else max(0, lens[b] - window)  # sliding window: the last `window` keys
+        length = lens[b] - first
+        per = -(-length // parts)
+        start, stop = first + min(length, part * per), first + min(length, (part + 1) * per)
+        n = stop - start
+        if n <= 0:
+            return
+        rows = np.empty(n, np.int64)
+        _key_rows(tables[b], start, stop, block, kv_heads, rows)
+        scores = np.empty((kv_heads, group, n), np.float32)
+        vector = dim % 16 == 0
+        if vector:
+            qk_scores(q, b * heads, k_cache, rows, scores, scale)
+        else:
+            for t in range(n):
+                for kh in range(kv_heads):
+                    _qk_scalar(q, b * heads + kh * group, k_cache, rows[t] + kh, scores[kh], t, scale)
+        bits = np.empty(n, np.int32)
+        for kh in range(kv_heads):
+            for g in range(group):
+                sc = scores[kh, g]
+                m = sc[0]
+                for t in range(1, n):
+                    m = max(m, sc[t])
+                for t in range(n):
+                    sc[t] -= m
+                _exp_nonpositive(sc, n, bits)
+                total = np.float32(0.0)
+                for t in range(n):
+                    total += sc[t]
+                part_max[item, kh, g] = m
+                part_sum[item, kh, g] = total
+        if vector:
+            pv_rows(scores, v_cache, rows, acc)
+        else:
+            for t in range(n):
+                for kh in range(kv_heads):
+                    _pv_scalar(scores[kh], t, v_cache, rows[t] + kh, acc[kh])
+
+    @njit(fastmath=True, cache=True)
+    def _merge_head(bh, parts, part_max, part_sum, part_acc, out):  # pragma: no cover - compiled
+        """out for one (sequence, query head): its parts rescaled to the common max, normalised."""
+        heads, dim = out.shape[1], out.shape[2]
+        group = heads // part_max.shape[1]
+        b, h = bh // heads, bh % heads
+        kh, g = h // group, h % group
+        m = np.float32(-np.inf)
+        for part in range(parts):
+            if part_sum[b * parts + part, kh, g] > 0:
+                m = max(m, part_max[b * parts + part, kh, g])
+        total = np.float32(0.0)
+        for d in range(dim):
+            out[b, h, d] = 0.0
+        for part in range(parts):
+            i = b * parts + part
+            if part_sum[i, kh, g] > 0:
+                w = np.exp(part_max[i, kh, g] - m)
+                total += w * part_sum[i, kh, g]
+                for d in range(dim):
+                    out[b, h, d] += w * part_acc[i, kh, g, d]
+        inv = np.float32(1.0) / total
+        for d in range(dim):
+            out[b, h, d] *= inv
+
     @njit(parallel=True, fastmath=True, cache=True)
     def _paged_decode(q, k_cache, v_cache, tables, lens, scale, window, out):  # pragma: no cover - compiled
         batch, heads, dim = q.shape
-        block, kv_heads = k_cache.shape[1], k_cache.shape[2]
+        kv_heads = k_cache.shape[2]
         group = heads // kv_heads
-        vector = dim % 16 == 0
         # Work items are (sequence, part of its keys), every KV head at once, so a thread reads
         # each cache block front to back (one head's rows alone are strided: measured ~2x slower
         # from DRAM). With few sequences, long ones are cut into parts, each with its own max and
-        # sum, merged below (flash-decoding); else batch-1 decode would run on one thread. The
-        # part count is a power of two (items split evenly over 1, 2, 4 or 8 threads) and never
-        # depends on the thread count, so the result's bits do not either (the adaptive thread
-        # tuner changes it mid-run: engine/adaptive_threads.py).
+        # sum, merged below (flash-decoding); else batch-1 decode would run on one thread. A part
+        # keeps at least _SPLIT_MIN_WORK: below that a parallel region costs more than the thread
+        # it adds. The part count is a power of two (items split
+        # evenly over 1, 2, 4 or 8 threads) and never depends on the thread count, so the result's
+        # bits do not either (the adaptive thread tuner changes it mid-run:
+        # engine/adaptive_threads.py).
         longest = 0
         for b in range(batch):
             longest = max(longest, lens[b] if window <= 0 else min(lens[b], window))
-        cap = max(1, min(_SPLIT_ITEMS // batch, longest // _SPLIT_MIN_KEYS))
+        cap = max(1, min(_SPLIT_ITEMS // batch, longest * heads * dim // _SPLIT_MIN_WORK))
         parts = 1
         while parts * 2 <= cap:
             parts *= 2
         items = batch * parts
         part_max = np.empty((items, kv_heads, group), np.float32)
-        part_sum = np.zeros((items, kv_heads, group), np.float32)
-        part_acc = np.zeros((items, kv_heads, group, dim), np.float32)
-        for item in prange(items):
-            b, part = item // parts, item % parts
-            first = 0 if window <= 0 else max(0, lens[b] - window)  # sliding window: the last `window` keys
-            length = lens[b] - first
-            per = -(-length // parts)
-            start, stop = first + min(length, part * per), first + min(length, (part + 1) * per)
-            n = stop - start
-            if n <= 0:
-                continue
-            rows = np.empty(n, np.int64)
-            _key_rows(tables[b], start, stop, block, kv_heads, rows)
-            scores = np.empty((kv_heads, group, n), np.float32)
-            if vector:
-                qk_scores(q, b * heads, k_cache, rows, scores, scale)
-            else:
-                for t in range(n):
-                    for kh in range(kv_heads):
-                        _qk_scalar(q, b * heads + kh * group, k_cache, rows[t] + kh, scores[kh], t, scale)
-            bits = np.empty(n, np.int32)
-            for kh in range(kv_heads):
-                for g in range(group):
-                    sc = scores[kh, g]
-                    m = sc[0]
-                    for t in range(1, n):
-                        m = max(m, sc[t])
-                    for t in range(n):
-                        sc[t] -= m
-                    _exp_nonpositive(sc, n, bits)
-                    total = np.float32(0.0)
-                    for t in range(n):
-                        total += sc[t]
-                    part_max[item, kh, g] = m
-                    part_sum[item, kh, g] = total
-            if vector:
-                pv_rows(scores, v_cache, rows, part_acc[item])
-            else:
-                for t in range(n):
-                    for kh in range(kv_heads):
-                        _pv_scalar(scores[kh], t, v_cache, rows[t] + kh, part_acc[item, kh])
-        for bh in prange(batch * heads):  # merge each head's parts: rescale to the common max
-            b, h = bh // heads, bh % heads
-            kh, g = h // group, h % group
-            m = np.float32(-np.inf)
-            for part in range(parts):
-                if part_sum[b * parts + part, kh, g] > 0:
-                    m = max(m, part_max[b * parts + part, kh, g])
-            total = np.float32(0.0)
-            for d in range(dim):
-                out[b, h, d] = 0.0
-            for part in range(parts):
-                i = b * parts + part
-                if part_sum[i, kh, g] > 0:
-                    w = np.exp(part_max[i, kh, g] - m)
-                    total += w * part_sum[i, kh, g]
-                    for d in range(dim):
-                        out[b, h, d] += w * part_acc[i, kh, g, d]
-            inv = np.float32(1.0) / total
-            for d in range(dim):
-                out[b, h, d] *= inv
+        part_sum = np.empty((items, kv_heads, group), np.float32)
+        part_acc = np.empty((items, kv_heads, group, dim), np.float32)
+        if items == 1:  # one sequence, one part: no parallel region (~5 us each on the dev VM)
+            _attend_part(q, k_cache, v_cache, tables, lens, scale, window, parts, 0, part_max, part_sum, part_acc)
+        else:
+            for item in prange(items):
+                _attend_part(q, k_cache, v_cache, tables, lens, scale, window, parts, item,
+                             part_max, part_sum, part_acc)
+        if batch * heads * dim < _PARALLEL_MERGE:
+            for bh in range(batch * heads):
+                _merge_head(bh, parts, part_max, part_sum, part_acc, out)
+        else:
+            for bh in prange(batch * heads):
+                _merge_head(bh, parts, part_max, part_sum, part_acc, out)
 
 
 def reads_cache(kv_cache: torch.Tensor) -> bool:

@@ -40,12 +40,13 @@ def test_paged_decode_matches_torch(heads, kv_heads, dim, block, lens):
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("batch_lens", [[400], [37, 300], [5, 6, 7], [200] * 9])
+@pytest.mark.parametrize("batch_lens", [[400], [37, 300], [5, 6, 7], [200] * 9, [30] * 60, [20]])
 @pytest.mark.parametrize("window", [0, 7, 100])
 def test_paged_decode_splits_long_keys_and_its_bits_ignore_the_thread_count(batch_lens, window):
     """Few long sequences split their keys into parts (merged as flash-decoding does); the answer
     matches a plain softmax, with and without a sliding window, and is bit for bit the same on 1
-    thread as on every thread (the adaptive tuner changes the count mid-run)."""
+    thread as on every thread (the adaptive tuner changes the count mid-run). Also one short
+    sequence (one part: no parallel region) and 60 short ones (their merge runs in parallel)."""
     import numba
     import numpy as np
 
