@@ -54,6 +54,7 @@ try:
         i4_dot,
         i4_dot_vnni,
         i4_row,
+        i4_row_bf16,
         i8_dot,
         i8_dot_vnni,
     )
@@ -316,10 +317,8 @@ if numba is not None:
         n_out, n_in = out.shape
         per = (n_out + threads - 1) // threads
         for t in prange(threads):
-            row = np.empty(n_in, np.float32)
             for r in range(t * per, min(n_out, (t + 1) * per)):
-                i4_row(w[r], s[r], row, group // 2)
-                _round_bf16(row, out[r])
+                i4_row_bf16(w[r], s[r], out[r], group // 2)
 
     @njit(cache=True)
     def _int8_rows(w, s, ids, out):  # pragma: no cover - compiled

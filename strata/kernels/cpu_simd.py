@@ -200,6 +200,50 @@ def i4_row(typingctx, wr, sr, buf, half):  # pragma: no cover - compiled
     return sig, codegen
 
 
+@intrinsic
+def i4_row_bf16(typingctx, wr, sr, bits, half):  # pragma: no cover - compiled
+    """Dequantise one packed row straight to bf16 bit patterns (uint16): i4_row's (q - 8) * scale,
+    rounded to nearest even in the same registers (as cpu_quant._round_bf16 rounds i4_row's fp32
+    row), one pass and no fp32 row. On the Zen 4 VM this ran qwen-0.5b's matrices at 15-18 G
+    weights/s against 13-17 for the two passes: both are bound by writing the bf16 weight out
+    (a 17 MB gate_up), ~10% of its 128-row GEMM; L2-sized tiles measured no better."""
+    sig = types.none(wr, sr, bits, half)
+
+    def codegen(context, builder, signature, args):
+        w, sc, out = (
+            context.make_array(t)(context, builder, v) for t, v in zip(signature.args[:3], args[:3])
+        )
+        half_v = args[3]
+        f32, vf, vb, zero = _vec_consts()
+        i64 = ir.IntType(64)
+        vi32, vi16 = ir.VectorType(ir.IntType(32), _VL), ir.VectorType(ir.IntType(16), _VL)
+        c16, one, bias = (ir.Constant(vi32, [v] * _VL) for v in (16, 1, 0x7FFF))
+
+        def round_bf16(vals):
+            b = builder.bitcast(vals, vi32)
+            odd = builder.and_(builder.lshr(b, c16), one)
+            return builder.trunc(builder.lshr(builder.add(builder.add(b, bias), odd), c16), vi16)
+
+        with cgutils.for_range(builder, cgutils.unpack_tuple(builder, sc.shape, 1)[0]) as group:
+            g = group.index
+            b0 = builder.mul(g, half_v)
+            x0 = builder.add(b0, b0)
+            sg = builder.load(builder.gep(sc.data, [g], inbounds=True))
+            sv = _splat(builder, sg, vf)
+            off = _splat(builder, builder.fmul(sg, ir.Constant(f32, 8.0)), vf)
+            with cgutils.for_range_slice(
+                builder, ir.Constant(i64, 0), half_v, ir.Constant(i64, _VL)
+            ) as (k, _):
+                lo, hi = _unpack16(builder, w.data, builder.add(b0, k), vf, vb)
+                for vals, base in ((lo, x0), (hi, builder.add(x0, half_v))):
+                    deq = builder.fsub(builder.fmul(vals, sv, flags=_FAST), off, flags=_FAST)
+                    ptr = builder.gep(out.data, [builder.add(base, k)], inbounds=True)
+                    builder.store(round_bf16(deq), builder.bitcast(ptr, vi16.as_pointer()), align=2)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 # --- int4 x int8 with AVX-512 VNNI ------------------------------------------------------------------
 
 

@@ -135,7 +135,8 @@ def test_prefill_gemm_override(monkeypatch):
 @pytest.mark.parametrize("shape", [(1, 128), (37, 384), (301, 256)])
 def test_dequantize_bf16_is_the_reference_rounded(method, group, shape):
     """The bf16 dequantisation is the fp32 reference rounded to bf16: bit for bit for int8, within
-    one bf16 step for int4 (its kernel computes q * s - 8 * s, one fp32 rounding apart)."""
+    one bf16 step for int4 (its kernel computes q * s - 8 * s, one fp32 rounding apart), and for
+    int4 bit for bit the fp32 dequantising kernel's row rounded to bf16 (one pass in registers)."""
     w = torch.randn(*shape, generator=torch.Generator().manual_seed(shape[0] + group)) * 3
     if method == "int8":
         q, s = quant_formats.quantize_int8(w)
@@ -150,6 +151,8 @@ def test_dequantize_bf16_is_the_reference_rounded(method, group, shape):
     else:
         torch.testing.assert_close(out.float(), ref.bfloat16().float(), rtol=2**-7, atol=0)
         assert (out != ref.bfloat16()).float().mean() < 0.01
+        fp32 = cpu_quant.dequantize(method, q, s, shape[1], group)
+        assert torch.equal(out.view(torch.int16), fp32.bfloat16().view(torch.int16))
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
