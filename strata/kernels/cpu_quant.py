@@ -51,10 +51,12 @@ try:
     from strata.kernels.cpu_simd import (
         f32_dot,
         has_avx512_vnni,
+        has_avx512bw,
         i4_dot,
         i4_dot_vnni,
         i4_row,
         i4_row_bf16,
+        i4_row_bf16_lut,
         i8_dot,
         i8_dot_vnni,
     )
@@ -69,6 +71,7 @@ def available() -> bool:
 
 
 _VNNI = numba is not None and has_avx512_vnni()  # the CPU does not change under a process
+_AVX512BW = numba is not None and has_avx512bw()  # VPERMW: int4 -> bf16 by table (cpu_simd.i4_row_bf16_lut)
 
 
 def int8_activations(rows: int, group_size: int) -> bool:
@@ -320,6 +323,14 @@ if numba is not None:
             for r in range(t * per, min(n_out, (t + 1) * per)):
                 i4_row_bf16(w[r], s[r], out[r], group // 2)
 
+    @njit(parallel=True, fastmath=True, cache=True)
+    def _int4_dequant_bf16_lut(w, s, out, group, threads):  # pragma: no cover - compiled
+        n_out, n_in = out.shape
+        per = (n_out + threads - 1) // threads
+        for t in prange(threads):
+            for r in range(t * per, min(n_out, (t + 1) * per)):
+                i4_row_bf16_lut(w[r], s[r], out[r], group // 2)
+
     @njit(cache=True)
     def _int8_rows(w, s, ids, out):  # pragma: no cover - compiled
         """out[i] = rows ids[i] of an int8 weight, dequantised as quant_formats.dequantize_int8_ref
@@ -431,7 +442,8 @@ def dequantize_bf16(
     if method == "int8":
         _int8_dequant_bf16(_np(qweight), _np(scale), bits, threads)
     else:
-        _int4_dequant_bf16(_np(qweight), _np(scale), bits, group_size, threads)
+        dequant = _int4_dequant_bf16_lut if _AVX512BW and group_size % 32 == 0 else _int4_dequant_bf16
+        dequant(_np(qweight), _np(scale), bits, group_size, threads)
     return out
 
 
