@@ -55,6 +55,27 @@ def _unpack16(builder, wdata, byte_index, vf, vb):
     return builder.uitofp(lo, vf), builder.uitofp(hi, vf)
 
 
+def _group_scales(builder, sc, g, vf):
+    """A group's scale s and 8 * s, splatted: its nibble q dequantises to q * s - 8 * s."""
+    sg = builder.load(builder.gep(sc.data, [g], inbounds=True))
+    return _splat(builder, sg, vf), _splat(builder, builder.fmul(sg, ir.Constant(ir.FloatType(), 8.0)), vf)
+
+
+def _dequant(builder, vals, scales):
+    sv, off = scales
+    return builder.fsub(builder.fmul(vals, sv, flags=_FAST), off, flags=_FAST)
+
+
+def _round_bf16_bits(builder, vals):
+    """<16 x float> -> the bf16 bit patterns <16 x i16>, rounded to nearest even (finite values:
+    as torch's .to(torch.bfloat16))."""
+    vi32 = ir.VectorType(ir.IntType(32), _VL)
+    c16, one, bias = (ir.Constant(vi32, [v] * _VL) for v in (16, 1, 0x7FFF))
+    b = builder.bitcast(vals, vi32)
+    odd = builder.and_(builder.lshr(b, c16), one)
+    return builder.trunc(builder.lshr(builder.add(builder.add(b, bias), odd), c16), ir.VectorType(ir.IntType(16), _VL))
+
+
 def _vload(builder, data, index, vf):
     return builder.load(
         builder.bitcast(builder.gep(data, [index], inbounds=True), vf.as_pointer()), align=4
@@ -181,20 +202,16 @@ def i4_row(typingctx, wr, sr, buf, half):  # pragma: no cover - compiled
         f32, vf, vb, zero = _vec_consts()
         i64 = ir.IntType(64)
         with cgutils.for_range(builder, cgutils.unpack_tuple(builder, sc.shape, 1)[0]) as group:
-            g = group.index
-            b0 = builder.mul(g, half_v)
+            b0 = builder.mul(group.index, half_v)
             x0 = builder.add(b0, b0)
-            sg = builder.load(builder.gep(sc.data, [g], inbounds=True))
-            sv = _splat(builder, sg, vf)
-            off = _splat(builder, builder.fmul(sg, ir.Constant(f32, 8.0)), vf)
+            scales = _group_scales(builder, sc, group.index, vf)
             with cgutils.for_range_slice(
                 builder, ir.Constant(i64, 0), half_v, ir.Constant(i64, _VL)
             ) as (k, _):
                 lo, hi = _unpack16(builder, w.data, builder.add(b0, k), vf, vb)
                 for vals, base in ((lo, x0), (hi, builder.add(x0, half_v))):
-                    deq = builder.fsub(builder.fmul(vals, sv, flags=_FAST), off, flags=_FAST)
                     ptr = builder.gep(out.data, [builder.add(base, k)], inbounds=True)
-                    builder.store(deq, builder.bitcast(ptr, vf.as_pointer()), align=4)
+                    builder.store(_dequant(builder, vals, scales), builder.bitcast(ptr, vf.as_pointer()), align=4)
         return context.get_dummy_value()
 
     return sig, codegen
@@ -204,9 +221,8 @@ def i4_row(typingctx, wr, sr, buf, half):  # pragma: no cover - compiled
 def i4_row_bf16(typingctx, wr, sr, bits, half):  # pragma: no cover - compiled
     """Dequantise one packed row straight to bf16 bit patterns (uint16): i4_row's (q - 8) * scale,
     rounded to nearest even in the same registers (as cpu_quant._round_bf16 rounds i4_row's fp32
-    row), one pass and no fp32 row. On the Zen 4 VM this ran qwen-0.5b's matrices at 15-18 G
-    weights/s against 13-17 for the two passes: both are bound by writing the bf16 weight out
-    (a 17 MB gate_up), ~10% of its 128-row GEMM; L2-sized tiles measured no better."""
+    row), one pass and no fp32 row: qwen-0.5b's matrices 15-18 vs 13-17 G weights/s for the two
+    passes on the Zen 4 VM. Where AVX-512 BW is, i4_row_bf16_lut gives the same bits faster."""
     sig = types.none(wr, sr, bits, half)
 
     def codegen(context, builder, signature, args):
@@ -216,29 +232,19 @@ def i4_row_bf16(typingctx, wr, sr, bits, half):  # pragma: no cover - compiled
         half_v = args[3]
         f32, vf, vb, zero = _vec_consts()
         i64 = ir.IntType(64)
-        vi32, vi16 = ir.VectorType(ir.IntType(32), _VL), ir.VectorType(ir.IntType(16), _VL)
-        c16, one, bias = (ir.Constant(vi32, [v] * _VL) for v in (16, 1, 0x7FFF))
-
-        def round_bf16(vals):
-            b = builder.bitcast(vals, vi32)
-            odd = builder.and_(builder.lshr(b, c16), one)
-            return builder.trunc(builder.lshr(builder.add(builder.add(b, bias), odd), c16), vi16)
-
+        vi16 = ir.VectorType(ir.IntType(16), _VL)
         with cgutils.for_range(builder, cgutils.unpack_tuple(builder, sc.shape, 1)[0]) as group:
-            g = group.index
-            b0 = builder.mul(g, half_v)
+            b0 = builder.mul(group.index, half_v)
             x0 = builder.add(b0, b0)
-            sg = builder.load(builder.gep(sc.data, [g], inbounds=True))
-            sv = _splat(builder, sg, vf)
-            off = _splat(builder, builder.fmul(sg, ir.Constant(f32, 8.0)), vf)
+            scales = _group_scales(builder, sc, group.index, vf)
             with cgutils.for_range_slice(
                 builder, ir.Constant(i64, 0), half_v, ir.Constant(i64, _VL)
             ) as (k, _):
                 lo, hi = _unpack16(builder, w.data, builder.add(b0, k), vf, vb)
                 for vals, base in ((lo, x0), (hi, builder.add(x0, half_v))):
-                    deq = builder.fsub(builder.fmul(vals, sv, flags=_FAST), off, flags=_FAST)
                     ptr = builder.gep(out.data, [builder.add(base, k)], inbounds=True)
-                    builder.store(round_bf16(deq), builder.bitcast(ptr, vi16.as_pointer()), align=2)
+                    rounded = _round_bf16_bits(builder, _dequant(builder, vals, scales))
+                    builder.store(rounded, builder.bitcast(ptr, vi16.as_pointer()), align=2)
         return context.get_dummy_value()
 
     return sig, codegen
@@ -264,9 +270,7 @@ def i4_row_bf16_lut(typingctx, wr, sr, bits, half):  # pragma: no cover - compil
         half_v = args[3]
         f32, vf, vb, zero = _vec_consts()
         i16, i32, i64 = ir.IntType(16), ir.IntType(32), ir.IntType(64)
-        vi32, vi16 = ir.VectorType(i32, _VL), ir.VectorType(i16, _VL)
-        v32i16 = ir.VectorType(i16, 2 * _VL)
-        c16, one, bias = (ir.Constant(vi32, [v] * _VL) for v in (16, 1, 0x7FFF))
+        vi16, v32i16 = ir.VectorType(i16, _VL), ir.VectorType(i16, 2 * _VL)
         levels = ir.Constant(vf, [float(v) for v in range(_VL)])
         concat = ir.Constant(ir.VectorType(i32, 2 * _VL), list(range(2 * _VL)))
         lanes = [ir.Constant(ir.VectorType(i32, _VL), list(range(h * _VL, (h + 1) * _VL))) for h in (0, 1)]
@@ -274,16 +278,9 @@ def i4_row_bf16_lut(typingctx, wr, sr, bits, half):  # pragma: no cover - compil
             builder.module, ir.FunctionType(v32i16, [v32i16, v32i16]), "llvm.x86.avx512.permvar.hi.512"
         )
         with cgutils.for_range(builder, cgutils.unpack_tuple(builder, sc.shape, 1)[0]) as group:
-            g = group.index
-            b0 = builder.mul(g, half_v)
+            b0 = builder.mul(group.index, half_v)
             x0 = builder.add(b0, b0)
-            sg = builder.load(builder.gep(sc.data, [g], inbounds=True))
-            sv = _splat(builder, sg, vf)
-            off = _splat(builder, builder.fmul(sg, ir.Constant(f32, 8.0)), vf)
-            deq = builder.fsub(builder.fmul(levels, sv, flags=_FAST), off, flags=_FAST)
-            b = builder.bitcast(deq, vi32)
-            odd = builder.and_(builder.lshr(b, c16), one)
-            table16 = builder.trunc(builder.lshr(builder.add(builder.add(b, bias), odd), c16), vi16)
+            table16 = _round_bf16_bits(builder, _dequant(builder, levels, _group_scales(builder, sc, group.index, vf)))
             table = builder.shuffle_vector(table16, table16, concat)  # lanes 16-31 unused
             with cgutils.for_range_slice(
                 builder, ir.Constant(i64, 0), half_v, ir.Constant(i64, _VL)
