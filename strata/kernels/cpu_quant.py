@@ -316,20 +316,17 @@ if numba is not None:
                 _round_bf16(row, out[r])
 
     @njit(parallel=True, fastmath=True, cache=True)
-    def _int4_dequant_bf16(w, s, out, group, threads):  # pragma: no cover - compiled
+    def _int4_dequant_bf16(w, s, out, group, threads, lut):  # pragma: no cover - compiled
+        """`lut`: by table lookup (AVX-512 BW only, group a multiple of 32), else by arithmetic;
+        the same bits either way."""
         n_out, n_in = out.shape
         per = (n_out + threads - 1) // threads
         for t in prange(threads):
             for r in range(t * per, min(n_out, (t + 1) * per)):
-                i4_row_bf16(w[r], s[r], out[r], group // 2)
-
-    @njit(parallel=True, fastmath=True, cache=True)
-    def _int4_dequant_bf16_lut(w, s, out, group, threads):  # pragma: no cover - compiled
-        n_out, n_in = out.shape
-        per = (n_out + threads - 1) // threads
-        for t in prange(threads):
-            for r in range(t * per, min(n_out, (t + 1) * per)):
-                i4_row_bf16_lut(w[r], s[r], out[r], group // 2)
+                if lut:
+                    i4_row_bf16_lut(w[r], s[r], out[r], group // 2)
+                else:
+                    i4_row_bf16(w[r], s[r], out[r], group // 2)
 
     @njit(cache=True)
     def _int8_rows(w, s, ids, out):  # pragma: no cover - compiled
@@ -442,8 +439,7 @@ def dequantize_bf16(
     if method == "int8":
         _int8_dequant_bf16(_np(qweight), _np(scale), bits, threads)
     else:
-        dequant = _int4_dequant_bf16_lut if _AVX512BW and group_size % 32 == 0 else _int4_dequant_bf16
-        dequant(_np(qweight), _np(scale), bits, group_size, threads)
+        _int4_dequant_bf16(_np(qweight), _np(scale), bits, group_size, threads, _AVX512BW and group_size % 32 == 0)
     return out
 
 

@@ -189,29 +189,34 @@ def i4_dot(typingctx, wr, sr, xj, xs8, half):  # pragma: no cover - compiled
     return sig, codegen
 
 
+def _i4_row_loop(context, builder, signature, args, store):
+    """The loop of the int4 row dequantisers: per group its scales, per 16 packed bytes the low
+    and high nibbles dequantised to <16 x float> and handed to store(vals, out, index)."""
+    w, sc, out = (context.make_array(t)(context, builder, v) for t, v in zip(signature.args[:3], args[:3]))
+    half_v = args[3]
+    f32, vf, vb, zero = _vec_consts()
+    i64 = ir.IntType(64)
+    with cgutils.for_range(builder, cgutils.unpack_tuple(builder, sc.shape, 1)[0]) as group:
+        b0 = builder.mul(group.index, half_v)
+        x0 = builder.add(b0, b0)
+        scales = _group_scales(builder, sc, group.index, vf)
+        with cgutils.for_range_slice(builder, ir.Constant(i64, 0), half_v, ir.Constant(i64, _VL)) as (k, _):
+            lo, hi = _unpack16(builder, w.data, builder.add(b0, k), vf, vb)
+            for vals, base in ((lo, x0), (hi, builder.add(x0, half_v))):
+                store(_dequant(builder, vals, scales), out, builder.add(base, k))
+
+
 @intrinsic
 def i4_row(typingctx, wr, sr, buf, half):  # pragma: no cover - compiled
     """Dequantise one packed row into buf (fp32): (q - 8) * scale."""
     sig = types.none(wr, sr, buf, half)
 
     def codegen(context, builder, signature, args):
-        w, sc, out = (
-            context.make_array(t)(context, builder, v) for t, v in zip(signature.args[:3], args[:3])
-        )
-        half_v = args[3]
-        f32, vf, vb, zero = _vec_consts()
-        i64 = ir.IntType(64)
-        with cgutils.for_range(builder, cgutils.unpack_tuple(builder, sc.shape, 1)[0]) as group:
-            b0 = builder.mul(group.index, half_v)
-            x0 = builder.add(b0, b0)
-            scales = _group_scales(builder, sc, group.index, vf)
-            with cgutils.for_range_slice(
-                builder, ir.Constant(i64, 0), half_v, ir.Constant(i64, _VL)
-            ) as (k, _):
-                lo, hi = _unpack16(builder, w.data, builder.add(b0, k), vf, vb)
-                for vals, base in ((lo, x0), (hi, builder.add(x0, half_v))):
-                    ptr = builder.gep(out.data, [builder.add(base, k)], inbounds=True)
-                    builder.store(_dequant(builder, vals, scales), builder.bitcast(ptr, vf.as_pointer()), align=4)
+        def store(vals, out, index):
+            ptr = builder.gep(out.data, [index], inbounds=True)
+            builder.store(vals, builder.bitcast(ptr, vals.type.as_pointer()), align=4)
+
+        _i4_row_loop(context, builder, signature, args, store)
         return context.get_dummy_value()
 
     return sig, codegen
@@ -226,25 +231,12 @@ def i4_row_bf16(typingctx, wr, sr, bits, half):  # pragma: no cover - compiled
     sig = types.none(wr, sr, bits, half)
 
     def codegen(context, builder, signature, args):
-        w, sc, out = (
-            context.make_array(t)(context, builder, v) for t, v in zip(signature.args[:3], args[:3])
-        )
-        half_v = args[3]
-        f32, vf, vb, zero = _vec_consts()
-        i64 = ir.IntType(64)
-        vi16 = ir.VectorType(ir.IntType(16), _VL)
-        with cgutils.for_range(builder, cgutils.unpack_tuple(builder, sc.shape, 1)[0]) as group:
-            b0 = builder.mul(group.index, half_v)
-            x0 = builder.add(b0, b0)
-            scales = _group_scales(builder, sc, group.index, vf)
-            with cgutils.for_range_slice(
-                builder, ir.Constant(i64, 0), half_v, ir.Constant(i64, _VL)
-            ) as (k, _):
-                lo, hi = _unpack16(builder, w.data, builder.add(b0, k), vf, vb)
-                for vals, base in ((lo, x0), (hi, builder.add(x0, half_v))):
-                    ptr = builder.gep(out.data, [builder.add(base, k)], inbounds=True)
-                    rounded = _round_bf16_bits(builder, _dequant(builder, vals, scales))
-                    builder.store(rounded, builder.bitcast(ptr, vi16.as_pointer()), align=2)
+        def store(vals, out, index):
+            rounded = _round_bf16_bits(builder, vals)
+            ptr = builder.gep(out.data, [index], inbounds=True)
+            builder.store(rounded, builder.bitcast(ptr, rounded.type.as_pointer()), align=2)
+
+        _i4_row_loop(context, builder, signature, args, store)
         return context.get_dummy_value()
 
     return sig, codegen

@@ -155,7 +155,7 @@ def test_dequantize_bf16_is_the_reference_rounded(method, group, shape):
         assert torch.equal(out.view(torch.int16), fp32.bfloat16().view(torch.int16))
         if cpu_quant._AVX512BW:  # the table-lookup kernel ran above; the arithmetic one gives the same bits
             bits = torch.empty(*shape, dtype=torch.int16)
-            cpu_quant._int4_dequant_bf16(q.numpy(), s.numpy(), bits.numpy().view("uint16"), group, 2)
+            cpu_quant._int4_dequant_bf16(q.numpy(), s.numpy(), bits.numpy().view("uint16"), group, 2, False)
             assert torch.equal(out.view(torch.int16), bits)
 
 
