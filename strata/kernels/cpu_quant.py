@@ -317,8 +317,7 @@ if numba is not None:
 
     @njit(parallel=True, fastmath=True, cache=True)
     def _int4_dequant_bf16(w, s, out, group, threads, lut):  # pragma: no cover - compiled
-        """`lut`: by table lookup (AVX-512 BW only, group a multiple of 32), else by arithmetic;
-        the same bits either way."""
+        """`lut`: by table lookup (AVX-512 BW only), else by arithmetic; the same bits either way."""
         n_out, n_in = out.shape
         per = (n_out + threads - 1) // threads
         for t in prange(threads):
@@ -439,7 +438,7 @@ def dequantize_bf16(
     if method == "int8":
         _int8_dequant_bf16(_np(qweight), _np(scale), bits, threads)
     else:
-        _int4_dequant_bf16(_np(qweight), _np(scale), bits, group_size, threads, _AVX512BW and group_size % 32 == 0)
+        _int4_dequant_bf16(_np(qweight), _np(scale), bits, group_size, threads, _AVX512BW)
     return out
 
 

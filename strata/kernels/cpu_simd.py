@@ -7,7 +7,8 @@ Here each group is a loop of 16-byte steps (group sizes are multiples of 32) wit
 accumulators for the two nibbles. The int8 row dot is written the same way (see _i8_dot16).
 On CPUs with AVX-512 VNNI, batch-1 int4 runs i4_dot_vnni and int8 GEMVs i8_dot_vnni instead:
 integer dot products against the input quantised to int8 (cpu_quant.py says when and why).
-bf16_dot reads bf16 weights and widens them exactly in registers (cpu_bf16.py).
+bf16_dot reads bf16 weights and widens them exactly in registers (cpu_bf16.py). i4_row /
+i4_row_bf16 / i4_row_bf16_lut dequantise an int4 row for the prefill GEMM (fp32, or bf16 bits).
 Formats: quant_formats.py. Used by cpu_quant.py; import only where numba is available.
 """
 
