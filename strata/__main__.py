@@ -1,7 +1,10 @@
 """`python -m strata` and the `strata` command.
 
 Importing the CLI loads torch (a second or two); Ctrl-C meanwhile is one line and exit 130, not a
-traceback. Everything after that is strata/cli.py's. An interrupted run leaves through os._exit:
+traceback: the process leaves at once from the signal handler, because a KeyboardInterrupt raised
+inside an import can land in a C++ call that calls back into Python (torch.distributed's
+`_c10d_init`), where pybind11 turns it into std::terminate and an abort. Nothing has started yet
+that would need cleaning up. Everything after that is strata/cli.py's. An interrupted run leaves through os._exit:
 a Ctrl-C that landed inside an import can otherwise make the interpreter's shutdown end the
 process by SIGINT after all (exit -2 instead of 130).
 """
@@ -23,21 +26,27 @@ def _leave(code: int) -> None:
 
 
 _interrupted = False
+_importing = True
 
 
 def _on_sigint(signum, frame) -> None:
     global _interrupted
     _interrupted = True
+    if _importing:
+        print("interrupted", file=sys.stderr)
+        _leave(130)
     raise KeyboardInterrupt
 
 
 def main() -> int:
+    global _importing
     # remember that Ctrl-C came: a KeyboardInterrupt raised inside a C++ or numba call can reach us
     # as another exception (or none), and the answer must still be one line and exit 130
     signal.signal(signal.SIGINT, _on_sigint)
     try:
         from strata.cli import main as cli_main
 
+        _importing = False
         if _interrupted:  # a Ctrl-C during the imports that some library's bare except swallowed
             raise KeyboardInterrupt
         code = cli_main()  # prints "interrupted" itself for a KeyboardInterrupt it sees
