@@ -25,3 +25,55 @@ def cpu_model_and_flags() -> tuple[str, frozenset[str]]:
         elif key == "flags" and not flags:
             flags = frozenset(value.split())
     return name or "unknown-cpu", flags
+
+
+# (vendor, family, first model, last model, name): a VM often reports only "AMD EPYC" as the model
+# name, and the dev machines change CPU between sessions, so figures name the core by its numbers.
+_MICROARCHITECTURES = (
+    ("AuthenticAMD", 23, 0x00, 0x2F, "Zen / Zen+"),
+    ("AuthenticAMD", 23, 0x30, 0xFF, "Zen 2"),
+    ("AuthenticAMD", 25, 0x00, 0x0F, "Zen 3 (Milan)"),
+    ("AuthenticAMD", 25, 0x10, 0x1F, "Zen 4 (Genoa)"),
+    ("AuthenticAMD", 25, 0x20, 0x5F, "Zen 3"),
+    ("AuthenticAMD", 25, 0x60, 0x7F, "Zen 4"),
+    ("AuthenticAMD", 25, 0xA0, 0xAF, "Zen 4c (Bergamo / Siena)"),
+    ("AuthenticAMD", 26, 0x00, 0x1F, "Zen 5 (Turin)"),
+    ("AuthenticAMD", 26, 0x20, 0x7F, "Zen 5"),
+    ("GenuineIntel", 6, 0x55, 0x55, "Skylake-SP / Cascade Lake"),
+    ("GenuineIntel", 6, 0x6A, 0x6A, "Ice Lake-SP"),
+    ("GenuineIntel", 6, 0x8F, 0x8F, "Sapphire Rapids"),
+    ("GenuineIntel", 6, 0xAD, 0xAD, "Granite Rapids"),
+    ("GenuineIntel", 6, 0xCF, 0xCF, "Emerald Rapids"),
+)
+
+
+def microarchitecture(vendor: str, family: int, model: int) -> str:
+    """The core's name for a /proc/cpuinfo vendor_id, cpu family and model ("" where not known)."""
+    return next((n for v, f, lo, hi, n in _MICROARCHITECTURES if (v, f) == (vendor, family) and lo <= model <= hi), "")
+
+
+@functools.cache
+def cpu_identity() -> dict[str, object]:
+    """Vendor, family, model and the microarchitecture they name ("" where not in the table), from
+    /proc/cpuinfo; e.g. {"vendor": "AuthenticAMD", "family": 26, "model": 2, "microarchitecture":
+    "Zen 5 (Turin)", "label": "family 26 model 2 = Zen 5 (Turin)"}. Empty values where unreadable."""
+    fields = {"vendor_id": "", "cpu family": "", "model": ""}
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        text = ""
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key in fields and not fields[key]:
+            fields[key] = value.strip()
+        if all(fields.values()):
+            break
+    vendor = fields["vendor_id"]
+    family = int(fields["cpu family"]) if fields["cpu family"].isdigit() else -1
+    model = int(fields["model"]) if fields["model"].isdigit() else -1
+    arch = microarchitecture(vendor, family, model)
+    label = f"family {family} model {model}" if family >= 0 and model >= 0 else ""
+    if label and arch:
+        label += f" = {arch}"
+    return {"vendor": vendor, "family": family, "model": model, "microarchitecture": arch, "label": label}

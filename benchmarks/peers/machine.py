@@ -33,8 +33,10 @@ def machine(ctx: Ctx) -> dict:
 
         m["strata_hw"] = {"cpu_measured": probe(refresh=True).to_json(), "host": {}}
         m["hw_source"] = "strata.hardware.probe.probe(refresh=True)"
-    if m.get("cpu_model") == "AMD EPYC":
-        m["cpu_note"] = "KVM guest; family 25 model 17 = Zen 4 Genoa"
+    from strata.cpuinfo import cpu_identity
+
+    if cpu_identity()["label"]:  # a VM's model name is often just "AMD EPYC": the numbers say which core
+        m["cpu_note"] = cpu_identity()["label"]
     return m
 
 

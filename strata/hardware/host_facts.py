@@ -13,7 +13,7 @@ from typing import Any
 import psutil
 import torch
 
-from strata.cpuinfo import cpu_model_and_flags
+from strata.cpuinfo import cpu_identity, cpu_model_and_flags
 from strata.hardware.placement import default_threads, usable_cpus
 
 _SYS_CPU = Path("/sys/devices/system/cpu")
@@ -77,6 +77,7 @@ def host_info() -> dict[str, Any]:
     vm = psutil.virtual_memory()
     return {
         "model": name,
+        "cpu_identity": cpu_identity()["label"],
         "cores_physical": psutil.cpu_count(logical=False) or 0,
         "cores_logical": psutil.cpu_count(logical=True) or 0,
         "cpus_usable": len(usable_cpus()),

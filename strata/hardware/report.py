@@ -53,7 +53,7 @@ def _rates(d: dict[str, float], unit: str) -> str:
 def format_report(r: dict[str, Any]) -> str:
     h = r["host"]
     lines = [f"torch {r['torch_version']} (CUDA {r['torch_cuda'] or 'none'})", "", "CPU"]
-    lines.append(f"  model        {h['model']}")
+    lines.append(f"  model        {h['model']}" + (f" ({h['cpu_identity']})" if h.get("cpu_identity") else ""))
     lines.append(
         f"  cores        {h['cores_physical']} physical, {h['cores_logical']} logical; usable by this "
         f"process: {h['cpus_usable']} CPUs = {h['cores_usable']} cores; torch threads {h['torch_threads']}"
