@@ -7,6 +7,14 @@ random-weight models too small for bytes or FLOPs to matter (hidden 64), at two 
 batch sizes. Whatever the kernel model (plan.py) does not explain in those steps is the
 overhead: per-layer = the slope between the two depths, per-step = the rest. Linear in batch
 between the measured batch sizes.
+
+Every other decode step runs with cold caches (a buffer twice the last-level cache read before
+it, untimed): in a real step the weight stream has evicted the interpreter's working set, and
+its Python runs 3-5x slower than warm. The per-step overhead is taken from the cold steps; the
+per-layer slope from the warm ones (cold, it would count the tiny layers' own cache misses,
+which the decode probe's layer times already hold for the real model). Measured all warm, the
+overhead was a seventh of the engine's (smol-135m int8 batch 1 on a Zen 5: 0.046 ms calibrated
+vs 0.35 ms profiled), so short steps were predicted 10-16% too fast.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ from strata.config import cache_root
 
 logger = logging.getLogger(__name__)
 
-SCHEMA = 2  # 2: residuals after the decode probe's kernel times (plan.py), not the rate model's
+SCHEMA = 3  # 2: residuals after the decode probe's kernel times (plan.py); 3: timed with cold caches
 DEPTHS = (2, 10)
 BATCHES = (1, 16, 64)
 PROMPT_LEN = 32
@@ -110,24 +118,39 @@ def _checkpoint(layers: int) -> Path:
     return out
 
 
-def _decode_step_seconds(engine, batch: int) -> float:
-    """Seconds of a decode step with `batch` sequences (prefill steps excluded): the mean, as
-    `strata bench latency` reports a step and the decode probe (decode_probe.py) times its
-    kernels, so that what is left after subtracting the probe's times is the engine's own work."""
+def _eviction_buffer() -> torch.Tensor:
+    """A buffer twice the last-level cache (64 MiB where sysfs does not say), capped at 512 MiB."""
+    from strata.hardware.host_facts import cpu_caches
+
+    caches = cpu_caches()
+    last = caches[max(caches)] if caches else None
+    size = 2 * last["bytes"] * last["instances"] if last else 64 * 2**20
+    return torch.ones(min(size, 512 * 2**20) // 4, dtype=torch.float32)
+
+
+def _decode_step_seconds(engine, batch: int, evict: torch.Tensor | None = None) -> tuple[float, float]:
+    """Seconds of a decode step with `batch` sequences (prefill steps excluded), (warm, cold): the
+    means, as `strata bench latency` reports a step and the decode probe (decode_probe.py) times
+    its kernels, so that what is left after subtracting the probe's times is the engine's own
+    work. Every other step runs after `evict` was read (cold); without it both are all steps."""
     from strata.engine.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=DECODE_STEPS, ignore_eos=True)
     for i in range(batch):
         ids = [3 + (7 * i + j) % (SHAPE["vocab_size"] - 3) for j in range(PROMPT_LEN)]
         engine.add_request(f"calib-{batch}-{i}", None, ids, params)
-    times = []
+    times, cold = [], []
     while engine.has_unfinished():
+        cold.append(evict is not None and len(times) % 2 == 1)
+        if cold[-1]:
+            evict.sum()  # the caches cold, as a real step's weight stream leaves them
         t0 = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - t0)
-    prefill_steps = -(-batch * PROMPT_LEN // engine.config.max_num_batched_tokens)
-    decode = times[prefill_steps + 1 :]
-    return statistics.fmean(decode) if decode else statistics.median(times)
+    first = -(-batch * PROMPT_LEN // engine.config.max_num_batched_tokens) + 1  # after the prefill
+    warm = [t for t, c in zip(times[first:], cold[first:]) if not c] or times
+    cold_steps = [t for t, c in zip(times[first:], cold[first:]) if c] or warm
+    return statistics.fmean(warm), statistics.fmean(cold_steps)
 
 
 def measure_overhead(
@@ -142,8 +165,9 @@ def measure_overhead(
 
     dname = str(dtype).replace("torch.", "")
     measured: dict[str, float] = {}
-    residual: dict[tuple[int, int], float] = {}
+    residual: dict[tuple[int, int, bool], float] = {}
     t0 = time.perf_counter()
+    evict = _eviction_buffer() if device == "cpu" else None
     for layers in DEPTHS:
         path = _checkpoint(layers)
         engine = LLMEngine(EngineConfig(
@@ -154,13 +178,16 @@ def measure_overhead(
         cfg = ModelConfig.from_file(path / "config.json")
         _decode_step_seconds(engine, 1)  # warm-up: kernels compiled, pages touched
         for batch in BATCHES:
-            sec = statistics.fmean(_decode_step_seconds(engine, batch) for _ in range(2))
-            measured[f"layers={layers},batch={batch}"] = sec
-            residual[layers, batch] = sec - kernel_seconds(cfg, batch, PROMPT_LEN + DECODE_STEPS // 2)
+            runs = [_decode_step_seconds(engine, batch, evict) for _ in range(2)]
+            kernels = kernel_seconds(cfg, batch, PROMPT_LEN + DECODE_STEPS // 2)
+            for cold, label in ((False, ",warm"), (True, "")):
+                sec = statistics.fmean(r[cold] for r in runs)
+                measured[f"layers={layers},batch={batch}{label}"] = sec
+                residual[layers, batch, cold] = sec - kernels
         del engine
     lo, hi = DEPTHS
-    per_layer = [max(0.0, (residual[hi, b] - residual[lo, b]) / (hi - lo)) for b in BATCHES]
-    per_step = [max(0.0, residual[lo, b] - lo * pl) for b, pl in zip(BATCHES, per_layer)]
+    per_layer = [max(0.0, (residual[hi, b, False] - residual[lo, b, False]) / (hi - lo)) for b in BATCHES]
+    per_step = [max(0.0, residual[lo, b, True] - lo * pl) for b, pl in zip(BATCHES, per_layer)]
     logger.info("step overhead measured in %.1f s: per step %s ms, per layer %s ms (batches %s)",
                 time.perf_counter() - t0, [f"{x * 1e3:.2f}" for x in per_step],
                 [f"{x * 1e3:.3f}" for x in per_layer], list(BATCHES))

@@ -37,9 +37,45 @@ def test_measure_on_engine_and_cache(monkeypatch, tmp_path) -> None:
     o = calibrate.step_overhead("cpu", torch.float32, None, kernel_seconds)
     assert torch.get_num_threads() == before
     assert o.batches == [1, 2] and len(o.per_step_s) == 2 and all(x >= 0 for x in o.per_layer_s)
-    assert set(o.measured) == {"layers=1,batch=1", "layers=1,batch=2", "layers=2,batch=1", "layers=2,batch=2"}
+    steps = {f"layers={d},batch={b}" for d in (1, 2) for b in (1, 2)}
+    assert set(o.measured) == steps | {k + ",warm" for k in steps}  # cold (every other step) and warm
     assert all(v > 0 for v in o.measured.values())
     assert {c[:2] for c in calls} == {(1, 1), (1, 2), (2, 1), (2, 2)}
     n = len(calls)
     assert calibrate.step_overhead("cpu", torch.float32, None, kernel_seconds) == o  # cached
     assert len(calls) == n
+
+
+def test_every_other_decode_step_runs_after_the_eviction(monkeypatch) -> None:
+    """Cold steps are the ones the eviction buffer was read just before; warm and cold means come
+    from the decode steps only (the prefill step and the first decode step excluded)."""
+    now = [0.0]
+
+    class Evict:
+        reads = 0
+
+        def sum(self):
+            Evict.reads += 1
+
+    class Engine:
+        class config:
+            max_num_batched_tokens = 10**6
+
+        def __init__(self):
+            self.left, self.seen = 9, 0
+
+        def add_request(self, *args):
+            pass
+
+        def has_unfinished(self):
+            return self.left > 0
+
+        def step(self):  # 3 s right after an eviction, 1 s otherwise
+            now[0] += 3.0 if Evict.reads > self.seen else 1.0
+            self.seen = Evict.reads
+            self.left -= 1
+
+    monkeypatch.setattr(calibrate.time, "perf_counter", lambda: now[0])
+    assert calibrate._decode_step_seconds(Engine(), 1, Evict()) == (1.0, 3.0)
+    assert Evict.reads == 4  # before steps 1, 3, 5, 7 of 9
+    assert calibrate._decode_step_seconds(Engine(), 1) == (1.0, 1.0)  # no eviction: all steps warm
