@@ -246,19 +246,31 @@ def merge_previous(results: dict, path: Path, lat_shapes: list[str], load_shapes
     ran = {"latency": set(lat_shapes), "throughput": set(load_shapes) if "throughput" in results["parts"] else set(),
            "serving": set(load_shapes) if "serving" in results["parts"] else set()}
     kept = results.setdefault("kept_from_previous", [])
+    this_cpu = _cpu_of(results)
     for part in PARTS:
         for shape, r in (prev.get(part) or {}).items():
             if shape in ran[part] or shape in results[part]:
                 continue
             date = r.get("measured_on") or prev.get("date")
-            results[part][shape] = dict(r, measured_on=date)
-            kept.append(f"{part} {shape} (measured {date})")
+            cpu = r.get("measured_cpu") or _cpu_of(prev)
+            results[part][shape] = dict(r, measured_on=date, measured_cpu=cpu)
+            # the dev machines change CPU between sessions: a carried-over table may not be this one's
+            other = f", **another CPU than this run's ({this_cpu})**" if cpu != this_cpu else ""
+            kept.append(f"{part} {shape} (measured {date} on {cpu}{other})")
             results["commands"] += [dict(c, part=f"{c['part']} (from the run of {date})")
                                     for c in prev.get("commands", [])
                                     if c["part"].split(" ")[0] == part and shape in c["cmd"]]
     for part in PARTS:
         for r in results[part].values():
             r.setdefault("measured_on", results["date"])
+            r.setdefault("measured_cpu", this_cpu)
+
+
+def _cpu_of(results: dict) -> str:
+    """The CPU a results dict was measured on, as the page names it ("?" when it does not say)."""
+    m = results.get("machine") or {}
+    model, note = m.get("cpu_model"), m.get("cpu_note")
+    return f"{model} ({note})" if model and note else model or note or "?"
 
 
 def write_report(results: dict, out_json: Path, out_md: Path, run_dir: Path) -> None:

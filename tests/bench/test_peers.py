@@ -186,6 +186,29 @@ def test_merge_previous_keeps_skipped_parts(tmp_path: Path) -> None:
     assert "strata bench latency --random-model qwen-0.5b" in cmds
     assert "strata bench latency --random-model smol-135m" not in cmds  # re-measured: old command dropped
     assert len(new["kept_from_previous"]) == 2
+    # neither run names its CPU here: both "?", so nothing is flagged
+    assert all("another CPU" not in k for k in new["kept_from_previous"])
+
+
+def test_merge_previous_names_the_cpu_of_a_carried_over_table(tmp_path: Path) -> None:
+    """The dev machines change CPU between sessions: a table kept from a run on another CPU says so."""
+    prev = {"date": "2026-01-01", "quick": False, "machine": {"cpu_model": "AMD EPYC", "cpu_note": "family 25 model 17"},
+            "latency": {}, "serving": {}, "throughput": {"smol-135m": {"strata_offline": {}}}, "commands": []}
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(prev))
+    new = {"date": "2026-02-02", "quick": False, "parts": ["latency"], "commands": [],
+           "machine": {"cpu_model": "AMD EPYC", "cpu_note": "family 26 model 2"},
+           "latency": {"smol-135m": {}}, "throughput": {}, "serving": {}}
+    report.merge_previous(new, path, ["smol-135m"], [])
+    assert new["throughput"]["smol-135m"]["measured_cpu"] == "AMD EPYC (family 25 model 17)"
+    assert new["latency"]["smol-135m"]["measured_cpu"] == "AMD EPYC (family 26 model 2)"
+    [kept] = new["kept_from_previous"]
+    assert "on AMD EPYC (family 25 model 17), **another CPU than this run's (AMD EPYC (family 26 model 2))**" in kept
+    prev["machine"] = new["machine"]  # the same CPU: not flagged
+    path.write_text(json.dumps(prev))
+    new.update(throughput={}, kept_from_previous=[])
+    report.merge_previous(new, path, ["smol-135m"], [])
+    assert "another CPU" not in new["kept_from_previous"][0]
 
 
 @pytest.mark.parametrize("message, signal", [
