@@ -10,21 +10,25 @@ from pathlib import Path
 
 
 @functools.cache
-def cpu_model_and_flags() -> tuple[str, frozenset[str]]:
-    """("model name", flags); "unknown-cpu" and no flags where /proc/cpuinfo is unreadable (e.g. macOS)."""
-    name, flags = "", frozenset()
+def _first_cpu() -> dict[str, str]:
+    """Each key's first value in /proc/cpuinfo: the first processor's, or a file-wide line's where
+    the platform puts it elsewhere ({} where unreadable, e.g. macOS)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        text = ""
+        return {}
+    fields: dict[str, str] = {}
     for line in text.splitlines():
         key, _, value = line.partition(":")
-        key = key.strip()
-        if key == "model name" and not name:
-            name = value.strip()
-        elif key == "flags" and not flags:
-            flags = frozenset(value.split())
-    return name or "unknown-cpu", flags
+        fields.setdefault(key.strip(), value.strip())
+    return fields
+
+
+@functools.cache
+def cpu_model_and_flags() -> tuple[str, frozenset[str]]:
+    """("model name", flags); "unknown-cpu" and no flags where /proc/cpuinfo is unreadable (e.g. macOS)."""
+    fields = _first_cpu()
+    return fields.get("model name") or "unknown-cpu", frozenset(fields.get("flags", "").split())
 
 
 # (vendor, family, first model, last model, name): a VM often reports only "AMD EPYC" as the model
@@ -57,21 +61,10 @@ def cpu_identity() -> dict[str, object]:
     """Vendor, family, model and the microarchitecture they name ("" where not in the table), from
     /proc/cpuinfo; e.g. {"vendor": "AuthenticAMD", "family": 26, "model": 2, "microarchitecture":
     "Zen 5 (Turin)", "label": "family 26 model 2 = Zen 5 (Turin)"}. Empty values where unreadable."""
-    fields = {"vendor_id": "", "cpu family": "", "model": ""}
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        text = ""
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        key = key.strip()
-        if key in fields and not fields[key]:
-            fields[key] = value.strip()
-        if all(fields.values()):
-            break
-    vendor = fields["vendor_id"]
-    family = int(fields["cpu family"]) if fields["cpu family"].isdigit() else -1
-    model = int(fields["model"]) if fields["model"].isdigit() else -1
+    fields = _first_cpu()
+    vendor, family, model = fields.get("vendor_id", ""), fields.get("cpu family", ""), fields.get("model", "")
+    family = int(family) if family.isdigit() else -1
+    model = int(model) if model.isdigit() else -1
     arch = microarchitecture(vendor, family, model)
     label = f"family {family} model {model}" if family >= 0 and model >= 0 else ""
     if label and arch:
