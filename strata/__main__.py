@@ -4,9 +4,9 @@ Importing the CLI loads torch (a second or two); Ctrl-C meanwhile is one line an
 traceback: the process leaves at once from the signal handler, because a KeyboardInterrupt raised
 inside an import can land in a C++ call that calls back into Python (torch.distributed's
 `_c10d_init`), where pybind11 turns it into std::terminate and an abort. Nothing has started yet
-that would need cleaning up. Everything after that is strata/cli.py's. An interrupted run leaves through os._exit:
-a Ctrl-C that landed inside an import can otherwise make the interpreter's shutdown end the
-process by SIGINT after all (exit -2 instead of 130).
+that would need cleaning up. Everything after that is strata/cli.py's. An interrupted run leaves
+through os._exit: a Ctrl-C that landed inside an import can otherwise make the interpreter's
+shutdown end the process by SIGINT after all (exit -2 instead of 130).
 """
 
 from __future__ import annotations

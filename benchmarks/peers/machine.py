@@ -35,8 +35,9 @@ def machine(ctx: Ctx) -> dict:
         m["hw_source"] = "strata.hardware.probe.probe(refresh=True)"
     from strata.cpuinfo import cpu_identity
 
-    if cpu_identity()["label"]:  # a VM's model name is often just "AMD EPYC": the numbers say which core
-        m["cpu_note"] = cpu_identity()["label"]
+    label = cpu_identity()["label"]
+    if label:  # a VM's model name is often just "AMD EPYC": the numbers say which core
+        m["cpu_note"] = label
     return m
 
 
