@@ -75,6 +75,10 @@ class EngineConfig:
     # decode-first: while sequences decode, prefill at most this many tokens a step (None = auto:
     # on CPU from the measured prefill rate and a target step time, engine/build.py; off on GPU)
     max_prefill_tokens_while_decoding: int | None = None
+    # multi-step decode (vLLM's name): up to this many decode steps per scheduler call while every
+    # running sequence decodes and nobody waits; None = auto (CPU: as many as fit a 25 ms burst by
+    # the measured step time, engine/multi_step.py; GPU and tensor parallel: 1)
+    num_scheduler_steps: int | None = None
     num_threads: int | None = None
     attention_backend: str = "auto"  # auto | torch | sdpa | cpu | triton
     quantization: str | None = None  # None | int8 | int4: weight-only, quantised at load
@@ -113,6 +117,10 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(f"{name}: must be a positive integer, got {v!r}")
+        v = self.num_scheduler_steps
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise ConfigError(f"num_scheduler_steps: must be a positive integer (1 = one decode step per "
+                              f"scheduler call), got {v!r}")
         v = self.max_prefill_tokens_while_decoding
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
             raise ConfigError(f"max_prefill_tokens_while_decoding: must be a positive integer, got {v!r}")
@@ -208,6 +216,12 @@ class EngineConfig:
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ConfigError(f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max "
                               f"({self.prompt_lookup_max})")
+        if (self.num_scheduler_steps or 1) > 1 and self.tensor_parallel_size > 1:
+            raise ConfigError("num_scheduler_steps > 1 is not implemented with tensor parallelism (the other ranks "
+                              "follow the scheduler one step at a time); leave it unset or 1")
+        if (self.num_scheduler_steps or 1) > 1 and self.speculative_model is not None:
+            raise ConfigError("num_scheduler_steps > 1 and speculative decoding do not combine (each scheduler "
+                              "call verifies one draft); leave num_scheduler_steps unset or 1")
         if self.generation_config not in ("auto", "vllm") and not Path(self.generation_config).is_dir():
             raise ConfigError(
                 f"generation_config: {self.generation_config!r} is neither 'auto' (the model's "

@@ -65,6 +65,7 @@ class StepRecord:
     decode_seqs: int
     decode_context: int  # sum of the decoding sequences' context lengths
     profiled: bool
+    steps: int = 1  # decode steps the scheduler call ran (multi-step decode, engine/multi_step.py)
 
 
 @dataclass
@@ -162,7 +163,7 @@ def run_offline(engine, w: Workload, progress: bool = False) -> Measurement:
         st = engine.stage_seconds
         rec = StepRecord(kind, wall, st["schedule"] - before["schedule"], st["forward"] - before["forward"],
                          st["sample"] - before["sample"], prefill_tokens, len(decodes),
-                         sum(s.seq.num_computed_tokens for s in decodes), profiled)
+                         sum(s.seq.num_computed_tokens for s in decodes), profiled, out.num_steps)
         steps.append(rec)
         if prof is not None:
             t0 = time.perf_counter()

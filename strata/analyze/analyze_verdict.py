@@ -113,13 +113,14 @@ def phases(m: Measurement, shape, dev) -> list[Phase]:
         for s in dec:
             ctx = s.decode_context // s.decode_seqs
             st = cost_model.decode_step(shape, dev, s.decode_seqs, ctx)
-            pred += st.kernel_s
-            bytes_ += st.bytes
-            flops += st.flops
+            pred += st.kernel_s * s.steps  # (the context grows a token a step: a few % at most)
+            bytes_ += st.bytes * s.steps
+            flops += st.flops * s.steps
             bounds.append(st.bound)
         secs = sum(s.wall_s for s in dec)
         batch = statistics.mean(s.decode_seqs for s in dec)
-        out.append(Phase("decode", len(dec), secs, sum(s.decode_seqs for s in dec), batch, bytes_, flops, pred,
+        out.append(Phase("decode", sum(s.steps for s in dec), secs, sum(s.decode_seqs * s.steps for s in dec), batch,
+                         bytes_, flops, pred,
                          max(set(bounds), key=bounds.count), bytes_ / secs / (dev.mem_gbs * 1e9),
                          flops / secs / dev.rate(round(batch)), _kernel_share(m, "decode")))
     pre = [s for s in m.steps if s.kind == "prefill"]

@@ -15,6 +15,12 @@ per-layer slope from the warm ones (cold, it would count the tiny layers' own ca
 which the decode probe's layer times already hold for the real model). Measured all warm, the
 overhead was a seventh of the engine's (smol-135m int8 batch 1 on a Zen 5: 0.046 ms calibrated
 vs 0.35 ms profiled), so short steps were predicted 10-16% too fast.
+
+Multi-step decode (engine/multi_step.py) pays part of that once per scheduler call: the engines
+are timed at one step per call and again at multi_step.MAX_STEPS (each later step also after the
+eviction read, untimed: in a real run the weights stream between them too), and `at` takes the
+per-step overhead at K steps per call as a + b/K through those two points; `steps_per_call` is the
+count the engine's automatic rule picks for a step of a given length.
 """
 
 from __future__ import annotations
@@ -35,7 +41,8 @@ from strata.config import cache_root
 
 logger = logging.getLogger(__name__)
 
-SCHEMA = 3  # 2: residuals after the decode probe's kernel times (plan.py); 3: timed with cold caches
+SCHEMA = 4  # 2: residuals after the decode probe's kernel times (plan.py); 3: timed with cold caches;
+# 4: per-step overhead at multi_step.MAX_STEPS steps per call too
 DEPTHS = (2, 10)
 BATCHES = (1, 16, 64)
 PROMPT_LEN = 32
@@ -60,10 +67,29 @@ class StepOverhead:
     device: str
     dtype: str
     quantization: str | None
+    # per decode step at multi_step.MAX_STEPS steps per scheduler call (CPU; None: not measured)
+    per_step_multi_s: list[float] | None = None
 
-    def at(self, batch: int, layers: int) -> float:
-        return max(0.0, _interp(self.batches, self.per_step_s, batch)
-                   + layers * _interp(self.batches, self.per_layer_s, batch))
+    def at(self, batch: int, layers: int, steps: int = 1) -> float:
+        """Seconds a decode step of `batch` rows costs beyond its kernels, with `steps` decode steps
+        per scheduler call (multi-step decode): a + b / steps through the two measured counts."""
+        one = _interp(self.batches, self.per_step_s, batch)
+        per_step = one
+        if steps > 1 and self.per_step_multi_s:
+            from strata.engine.multi_step import MAX_STEPS
+
+            b = (one - _interp(self.batches, self.per_step_multi_s, batch)) / (1 - 1 / MAX_STEPS)
+            per_step = one - b + b / steps
+        return max(0.0, per_step + layers * _interp(self.batches, self.per_layer_s, batch))
+
+    def steps_per_call(self, step_s: float) -> int:
+        """Decode steps per scheduler call the engine picks for steps of `step_s` (engine/multi_step.py;
+        1 where it does not run several: no multi-step measurement, i.e. not CPU)."""
+        if not self.per_step_multi_s:
+            return 1
+        from strata.engine.multi_step import steps_for
+
+        return steps_for(step_s)
 
     def to_json(self) -> dict:
         return {"schema": SCHEMA, **asdict(self)}
@@ -77,6 +103,7 @@ class StepOverhead:
             per_layer_s=[float(x) for x in d["per_layer_s"]],
             measured={str(k): float(v) for k, v in d["measured"].items()}, device=str(d["device"]),
             dtype=str(d["dtype"]), quantization=d["quantization"],
+            per_step_multi_s=None if d.get("per_step_multi_s") is None else [float(x) for x in d["per_step_multi_s"]],
         )
 
     @classmethod
@@ -132,25 +159,51 @@ def _decode_step_seconds(engine, batch: int, evict: torch.Tensor | None = None) 
     """Seconds of a decode step with `batch` sequences (prefill steps excluded), (warm, cold): the
     means, as `strata bench latency` reports a step and the decode probe (decode_probe.py) times
     its kernels, so that what is left after subtracting the probe's times is the engine's own
-    work. Every other step runs after `evict` was read (cold); without it both are all steps."""
+    work. Every other scheduler call runs after `evict` was read (cold), and so does each later
+    step of a cold call (multi-step decode; those reads are not timed); without it both are all
+    calls. A call of several steps counts as that many steps of its mean time."""
     from strata.engine.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=DECODE_STEPS, ignore_eos=True)
     for i in range(batch):
         ids = [3 + (7 * i + j) % (SHAPE["vocab_size"] - 3) for j in range(PROMPT_LEN)]
         engine.add_request(f"calib-{batch}-{i}", None, ids, params)
-    times, cold = [], []
-    while engine.has_unfinished():
-        cold.append(evict is not None and len(times) % 2 == 1)
-        if cold[-1]:
-            evict.sum()  # the caches cold, as a real step's weight stream leaves them
-        t0 = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - t0)
+    runner = engine.runner
+    execute_next, own = runner.execute_next, vars(runner).get("execute_next")
+    evicting = [False, 0.0]  # (this call is cold, seconds spent evicting inside it)
+
+    def cold_next(*args):
+        if evicting[0]:
+            t = time.perf_counter()
+            evict.sum()
+            evicting[1] += time.perf_counter() - t
+        return execute_next(*args)
+
+    runner.execute_next = cold_next
+    times, cold, steps = [], [], []
+    try:
+        while engine.has_unfinished():
+            cold.append(evict is not None and len(times) % 2 == 1)
+            if cold[-1]:
+                evict.sum()  # the caches cold, as a real step's weight stream leaves them
+            evicting[:] = [cold[-1], 0.0]
+            t0 = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - t0 - evicting[1])
+            steps.append(engine.last_schedule.num_steps)
+    finally:
+        if own is None:
+            del runner.execute_next  # the method again
+        else:
+            runner.execute_next = own
     first = -(-batch * PROMPT_LEN // engine.config.max_num_batched_tokens) + 1  # after the prefill
-    warm = [t for t, c in zip(times[first:], cold[first:]) if not c] or times
-    cold_steps = [t for t, c in zip(times[first:], cold[first:]) if c] or warm
-    return statistics.fmean(warm), statistics.fmean(cold_steps)
+
+    def mean(want_cold: bool) -> float | None:
+        pairs = [(t, n) for t, c, n in zip(times[first:], cold[first:], steps[first:]) if c == want_cold]
+        return sum(t for t, _ in pairs) / sum(n for _, n in pairs) if pairs else None
+
+    warm = mean(False) or sum(times) / sum(steps)
+    return warm, mean(True) or warm
 
 
 def measure_overhead(
@@ -161,9 +214,11 @@ def measure_overhead(
     own prediction of the bytes-and-FLOPs part, subtracted from each measured step."""
     from strata.config import EngineConfig
     from strata.engine.llm_engine import LLMEngine
+    from strata.engine.multi_step import MAX_STEPS
     from strata.model_config import ModelConfig
 
     dname = str(dtype).replace("torch.", "")
+    multi = device == "cpu"  # where the engine runs several decode steps per call (engine/multi_step.py)
     measured: dict[str, float] = {}
     residual: dict[tuple[int, int, bool], float] = {}
     t0 = time.perf_counter()
@@ -174,6 +229,7 @@ def measure_overhead(
             model=str(path), dtype=dname, device=device, max_model_len=PROMPT_LEN + DECODE_STEPS + 8,
             max_num_seqs=max(BATCHES), kv_cache_memory=max(BATCHES) * 8 * 2**20 // 64 + 2**20,
             quantization=quantization, enable_prefix_caching=False, num_threads=torch.get_num_threads(),
+            num_scheduler_steps=1,  # one step per call: each timed call is one decode step
         ))
         cfg = ModelConfig.from_file(path / "config.json")
         _decode_step_seconds(engine, 1)  # warm-up: kernels compiled, pages touched
@@ -184,14 +240,22 @@ def measure_overhead(
                 sec = statistics.fmean(r[cold] for r in runs)
                 measured[f"layers={layers},batch={batch}{label}"] = sec
                 residual[layers, batch, cold] = sec - kernels
+            if multi and layers == DEPTHS[0]:
+                engine.scheduler.lookahead = MAX_STEPS
+                sec = statistics.fmean(_decode_step_seconds(engine, batch, evict)[1] for _ in range(2))
+                engine.scheduler.lookahead = 1
+                measured[f"layers={layers},batch={batch},steps={MAX_STEPS}"] = sec
+                residual[layers, batch, MAX_STEPS] = sec - kernels
         del engine
     lo, hi = DEPTHS
     per_layer = [max(0.0, (residual[hi, b, False] - residual[lo, b, False]) / (hi - lo)) for b in BATCHES]
     per_step = [max(0.0, residual[lo, b, True] - lo * pl) for b, pl in zip(BATCHES, per_layer)]
+    per_step_multi = [max(0.0, residual[lo, b, MAX_STEPS] - lo * pl) for b, pl in zip(BATCHES, per_layer)] \
+        if multi else None
     logger.info("step overhead measured in %.1f s: per step %s ms, per layer %s ms (batches %s)",
                 time.perf_counter() - t0, [f"{x * 1e3:.2f}" for x in per_step],
                 [f"{x * 1e3:.3f}" for x in per_layer], list(BATCHES))
-    return StepOverhead(list(BATCHES), per_step, per_layer, measured, device, dname, quantization)
+    return StepOverhead(list(BATCHES), per_step, per_layer, measured, device, dname, quantization, per_step_multi)
 
 
 def _cache_path(device: str, dtype: str, quantization: str | None) -> Path:

@@ -314,6 +314,10 @@ def decode_step(shape: ModelShape, dev: Device, batch: int, context: int, tp: in
         nbytes = cfg.hidden_size * shape.act_itemsize * batch
         comm = 2 * cfg.num_layers * min(tp_allreduce_seconds(dev, nbytes, tp).values())
     over = overhead.at(batch, cfg.num_layers) if overhead is not None else 0.0
+    if overhead is not None and tp == 1:  # multi-step decode pays part of it once per call
+        steps = overhead.steps_per_call(kernel + over)
+        if steps > 1:
+            over = overhead.at(batch, cfg.num_layers, steps)
     return Step(batch, context, tp, w + kv, f_lin + f_att, mem_s, compute_s, roofline, kernel, over, comm,
                 "compute" if compute_s > mem_s else "memory")
 

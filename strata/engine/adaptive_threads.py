@@ -83,7 +83,7 @@ class AdaptiveThreads:
             return
         n = self.trial if self.trial is not None else self.current
         times = self.samples.setdefault(n, [])
-        times.append(forward - last)
+        times.extend([(forward - last) / out.num_steps] * out.num_steps)  # multi-step decode: each step counts
         del times[:-TRIAL_STEPS]
         if self.trial is not None:
             if len(self.samples[self.trial]) >= TRIAL_STEPS:

@@ -60,6 +60,9 @@ FLAGS: tuple[_Flag, ...] = (
     _Flag("max_prefill_tokens_while_decoding", "decode-first: while sequences decode, prefill at most this "
           "many tokens a step, so running streams are not frozen behind a long prompt", type=int,
           default_text="strata serve on CPU: measured prefill rate x 0.10 s; offline LLM / GPU: no cap"),
+    _Flag("num_scheduler_steps", "multi-step decode: up to this many decode steps per scheduler call while "
+          "every running sequence decodes and no request waits (tokens then stream in bursts; 1 = off)",
+          type=int, default_text="CPU: as many as fit a 25 ms burst at the measured step time, at most 8; GPU: 1"),
     _Flag("num_threads", "compute threads", flag="--threads", type=int, default_text="physical cores"),
     _Flag("speculative_model", "speculative decoding: 'ngram' drafts by prompt lookup (tokens that followed "
           "the same n-gram earlier in the prompt or output), or a small draft model's directory (same "

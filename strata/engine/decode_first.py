@@ -80,7 +80,7 @@ class AdaptivePrefillCap:
             return
         rows = sum(1 for s in out.scheduled if s.num_tokens == 1 or s.draft)
         prefill = sum(s.num_tokens for s in out.scheduled if s.num_tokens > 1 and not s.draft)
-        self.observe(rows, prefill, forward - last)
+        self.observe(rows, prefill, (forward - last) / out.num_steps)  # multi-step decode: per step
 
     def observe(self, rows: int, prefill_tokens: int, seconds: float) -> None:
         """One step's forward time with `rows` decoding sequences and `prefill_tokens` prompt tokens."""

@@ -14,7 +14,7 @@ import time
 import torch
 
 from strata.config import EngineConfig
-from strata.engine import adaptive_threads, speculative
+from strata.engine import adaptive_threads, multi_step, speculative
 from strata.engine.build import build_engine
 from strata.engine.grammar import GrammarMasks
 from strata.engine.parallel import STOP, RankDied, encode_step
@@ -55,6 +55,7 @@ class LLMEngine:
             self._threads = adaptive_threads.AdaptiveThreads(self.threads)
             self.step_observers.append(self._threads)
             self._threads.release()
+        multi_step.attach(self)  # several decode steps per scheduler call (engine/multi_step.py)
 
     def close(self) -> None:
         """Free the model, the KV cache and the swap space now (requests in flight are aborted);
@@ -214,13 +215,16 @@ class LLMEngine:
                                                    self.scheduler.speculator)
             sampled = SamplerOutput(tokens, lps)
         touched = self.scheduler.update(out, seqs, sampled)
+        more_forward = 0.0
+        if out.num_steps > 1:
+            touched, more_forward = self._more_steps(out, seqs, sampled, touched)
         t3 = time.perf_counter()
         if self.scheduler.speculator is not None and seqs:  # does drafting pay on this machine?
             self.scheduler.speculator.observe_step(any(s.draft for s in out.scheduled), t3 - t0, len(seqs))
         st = self.stage_seconds
         st["schedule"] += t1 - t0
-        st["forward"] += t2 - t1
-        st["sample"] += t3 - t2  # sampling, stop checks and (offline) detokenisation
+        st["forward"] += t2 - t1 + more_forward
+        st["sample"] += t3 - t2 - more_forward  # sampling, stop checks and (offline) detokenisation
         for observe in self.step_observers:
             observe(self)
         outputs = []
@@ -230,6 +234,24 @@ class LLMEngine:
                 self.requests.pop(req.request_id, None)
             outputs.append(self._output(req))
         return outputs
+
+    def _more_steps(self, out, seqs, sampled, touched):
+        """Multi-step decode: the scheduler reserved blocks for out.num_steps tokens of every
+        sequence; run the decode steps after the first until then or until a sequence finishes
+        (the batch changes: the next scheduler call sees it). out.num_steps becomes the steps run.
+        Returns the requests advanced and the seconds spent in forward passes."""
+        touched = {r.request_id: r for r in touched}
+        steps, forward = 1, 0.0
+        while steps < out.num_steps and not any(s.finished for s in seqs):
+            t = time.perf_counter()
+            logits, seqs = self.runner.execute_next(sampled.token_ids)
+            forward += time.perf_counter() - t
+            sampled = self.sampler(logits, seqs)
+            for r in self.scheduler.update(out, seqs, sampled):
+                touched[r.request_id] = r
+            steps += 1
+        out.num_steps = steps
+        return list(touched.values()), forward
 
     def _record_prompt_logprobs(self) -> None:
         """Logprob of each prompt token given the tokens before it (+ the top N), once per position

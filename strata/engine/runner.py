@@ -6,6 +6,7 @@ tokens are flattened: prefill chunks first, then one token per decoding sequence
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import numpy as np
@@ -44,6 +45,7 @@ class ModelRunner:
         self.swapper = swapper
         self.prompt_rows: list[tuple] = []
         self.prompt_logits: list[tuple] = []
+        self._next = None  # (positions, metadata, order) of the last all-decode step
 
     def _tensor(self, data) -> torch.Tensor:
         """An int64 tensor of `data` (a list, or a list of equal-length lists) on the device. On
@@ -147,9 +149,50 @@ class ModelRunner:
             self.swapper.swap_out(out.swap_out)  # before the freed blocks are written again
             self.swapper.start_swap_in(out.swap_in)  # overlaps this step's forward
         copy_blocks(self.kv_caches, out.block_copies)
+        self._next = None
         if not out.scheduled:
             return None, []
         ids, pos, meta, rows, order = self.prepare(out)
+        # an all-decode step: what execute_next advances (multi-step decode)
+        self._next = (pos, meta, order) if meta.num_prefill_tokens == 0 and rows is None else None
+        return self._run(ids, pos, meta, rows, order)
+
+    def execute_next(self, token_ids: list[int]):
+        """The decode step after an all-decode `execute`: every sequence of that step computes the
+        token it just sampled (`token_ids`, in its rows' order), one position further on. Its blocks
+        are already in its table (the scheduler reserved them, Scheduler._steps_ahead), so only the
+        positions, slots, lengths (and the torch backends' mask) move."""
+        if self._next is None:
+            raise RuntimeError("execute_next: the last step was not an all-decode step")
+        pos, meta, order = self._next
+        bs, tables = self.block_size, meta.decode_block_tables
+        if self.device.type == "cpu":  # numpy: a few us instead of ~8 torch ops
+            p = pos + 1  # (numpy on CPU after the first: the positions and tables as numpy views)
+            if isinstance(p, torch.Tensor):
+                p, self._tables_np = p.numpy(), tables.numpy()
+            slots = self._tables_np[np.arange(len(p)), p // bs] * bs + p % bs
+            if self.decode_step is None and self.forward is self.model and hasattr(self.model, "decode_next"):
+                # the fused CPU step continues, on numpy arrays (graph/cpu_decode.py)
+                hidden = self.model.decode_next(np.array(token_ids, np.int64), p, slots, p + 1)
+                if hidden is not None:
+                    self._next = (p, meta, order)  # (meta: only its tables are read again)
+                    return self._logits(hidden, None, order)
+            pos, slots, lens = torch.from_numpy(p), torch.from_numpy(slots), torch.from_numpy(p + 1)
+        else:
+            pos = pos + 1
+            slots = tables.gather(1, (pos // bs)[:, None]).squeeze(1) * bs + pos % bs
+            lens = pos + 1
+        mask = None
+        if meta.decode_mask is not None:
+            keys = torch.arange(tables.shape[1] * bs, device=self.device)
+            mask = (keys[None, :] <= pos[:, None]).view(len(order), 1, 1, -1)
+        meta = dataclasses.replace(meta, slot_mapping=slots, decode_mask=mask, decode_context_lens=lens)
+        self._next = (pos, meta, order)
+        with torch.inference_mode():  # (not around the fused path: entering it costs ~10 us a step)
+            return self._run(self._tensor(token_ids), pos, meta, None, order)
+
+    def _run(self, ids, pos, meta, rows, order):
+        """Forward and logits of a prepared step."""
         hidden = None
         if self.decode_step is not None and meta.num_prefill_tokens == 0:
             hidden = self.decode_step(ids, pos, meta)  # None: not a step it captures
@@ -159,6 +202,10 @@ class ModelRunner:
                               for seq, start, r in self.prompt_rows]  # read by the engine (prompt_logprobs)
         if not order:
             return None, []
+        return self._logits(hidden, rows, order)
+
+    def _logits(self, hidden, rows, order):
+        """(logits of the sampling rows, fp32; the sequence sampling each row)."""
         logits = self.model.compute_logits(hidden if rows is None else hidden.index_select(0, rows))
         seqs, expand = self._sampling_rows(order)
         if expand is not None:

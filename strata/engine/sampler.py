@@ -107,6 +107,14 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, _MASK)
 
 
+def _plain_greedy(seq: Sequence) -> bool:
+    """Whether the row's token is just the argmax of its logits: greedy, no logprobs, no penalties,
+    no min_tokens still forbidding a stop token (what the full path would compute to the same)."""
+    p = seq.request.params
+    return (p.temperature == 0 and p.logprobs is None and p.repetition_penalty == 1.0 and p.presence_penalty == 0
+            and p.frequency_penalty == 0 and seq.num_output_tokens >= p.min_tokens)
+
+
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """logits.argmax(-1); on CPU through numpy, whose argmax is ~8x faster than torch's here
     (6 vs 53 us over a 49,152-token row, 53 vs 584 us over 16 rows) and picks the same index:
@@ -166,6 +174,8 @@ class Sampler:
         """constrain(logits) -> logits: structured output's masks (engine/grammar.GrammarMasks),
         applied after penalties; a row left with no token (min_tokens forbids the only one its
         grammar allows: EOS) takes the grammar's choice."""
+        if constrain is None and all(map(_plain_greedy, seqs)):
+            return SamplerOutput(argmax_rows(logits).tolist(), [None] * len(seqs))
         dev = logits.device
         rows = len(seqs)
         params = [s.request.params for s in seqs]

@@ -57,6 +57,9 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
+    # multi-step decode: decode steps this scheduler call may run (every sequence a plain decode,
+    # their blocks reserved for that many tokens); the engine sets it to the steps it ran
+    num_steps: int = 1
 
     @property
     def num_tokens(self) -> int:
@@ -88,6 +91,7 @@ class Scheduler:
         self._pending_copies: list[tuple[int, int]] = []
         self.num_preemptions = 0
         self.num_swapped_out = 0
+        self.lookahead = 1  # multi-step decode: most decode steps per call (engine/multi_step.py sets it)
 
     def add_request(self, req: Request) -> Sequence:
         """Queue a new request: its first sequence (the others fork from it later)."""
@@ -168,6 +172,8 @@ class Scheduler:
                 self.running.append(seq)
                 out.scheduled.append(ScheduledSeq(seq, n))
                 budget -= n
+        if self.lookahead > 1:
+            out.num_steps = self._steps_ahead(out)
         now = time.time()
         for s in out.scheduled:
             timeline = s.seq.request.timeline
@@ -176,6 +182,34 @@ class Scheduler:
             if s.samples and not s.seq.request.forked:
                 self._fork_request(s)
         return out
+
+    def _steps_ahead(self, out: SchedulerOutput) -> int:
+        """How many decode steps this call may run (multi-step decode): up to `lookahead` when every
+        scheduled sequence is a plain decode (no draft, fork or grammar mask), nobody waits, is swapped or
+        preempted, and free blocks hold that many more tokens of every sequence; the blocks are
+        reserved here. Each sequence's max_tokens and max_model_len bound it too: the steps after
+        one sequence finishes are not run (the engine stops there)."""
+        if (self.waiting or self.swapped or self._prefetched or out.preempted or out.swap_in or out.swap_out
+                or not out.scheduled):
+            return 1
+        steps = self.lookahead
+        for s in out.scheduled:
+            seq, p = s.seq, s.seq.request.params
+            if s.num_tokens != 1 or s.draft or s.forks or not s.samples or seq.grammar is not None:
+                return 1
+            if p.max_tokens is not None:
+                steps = min(steps, p.max_tokens - seq.num_output_tokens)
+            steps = min(steps, self.lifecycle.max_model_len - seq.num_tokens + 1)
+        if steps <= 1:
+            return 1
+        blocks = self.blocks
+        need = sum(max(0, blocks.blocks_for(s.seq.num_computed_tokens + steps) - len(s.seq.block_table))
+                   for s in out.scheduled)
+        if need > blocks.num_free:
+            return 1
+        for s in out.scheduled:
+            blocks.allocate(s.seq, s.seq.num_computed_tokens + steps)
+        return steps
 
     def _draft(self, seq: Sequence, budget: int) -> list[int]:
         """Speculative tokens for a decoding sequence: within the step budget, max_tokens and

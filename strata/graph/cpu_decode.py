@@ -20,13 +20,14 @@ e.g. to compare).
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
 from strata.env_switch import switched_off
 from strata.graph.layers import Linear, RMSNorm
-from strata.kernels import cpu_attention, cpu_decode_layer, cpu_gemv, cpu_rope
+from strata.kernels import cpu_attention, cpu_decode_layer, cpu_gemv, cpu_quant, cpu_rope
 from strata.kernels.attention import AttentionMetadata
 from strata.kernels.cpu_decode_layer import NO_ARRAY, uses_vnni
 from strata.kernels.dispatch import KERNEL_MODE
@@ -130,6 +131,12 @@ class FusedDecodeStep:
         self.rows = rows
         self.common: tuple = ()
         self.threads = 1
+        # what `next` reuses: the layers' arguments and the rotary tables `run` used, the final
+        # norm's and head's arguments and the embedding lookup `finish` took
+        self.stack: tuple | None = None
+        self.rope: tuple = ()
+        self.tail: tuple | None = None
+        self.embed: Callable | None = None
 
     def bind(self, meta: AttentionMetadata) -> FusedDecodeStep:
         """This step's KV slots, block tables, lengths and thread count, before the buffers."""
@@ -162,17 +169,29 @@ class FusedDecodeStep:
     def run(self, model, x: torch.Tensor, positions: torch.Tensor, kv_caches) -> tuple | None:
         """(MLP branch, residual) after every layer, or None when some layer cannot run fused
         (then every layer runs eagerly)."""
-        layers = _cached_stack(model, kv_caches, self.rows)
+        self.stack = layers = _cached_stack(model, kv_caches, self.rows)
         if layers is None:
             return None
-        # the rotary table's rows at the step's positions, [rows, head_dim] each (what
-        # model.rotary(positions) gives the eager layers, without its torch ops and views)
-        pos = positions.numpy()
-        cos, sin = model.rotary.cos.numpy()[pos], model.rotary.sin.numpy()[pos]
-        cpu_decode_layer.decode_layers(x.contiguous().numpy(), layers, (cos, sin) + self.common)
+        self.rope = model.rotary.cos.numpy(), model.rotary.sin.numpy()
+        self._layers(x.contiguous().numpy(), positions.numpy())
         return self.out_t, self.res_t
 
-    def finish(self, norm, head) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    def _layers(self, x: np.ndarray, positions: np.ndarray) -> None:
+        # the rotary table's rows at the step's positions, [rows, head_dim] each (what
+        # model.rotary(positions) gives the eager layers, without its torch ops and views)
+        cos, sin = self.rope
+        cpu_decode_layer.decode_layers(x, self.stack, (cos[positions], sin[positions]) + self.common)
+
+    def next(self, model, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, lens: np.ndarray) -> tuple:
+        """(hidden, logits or None) of the decode step right after this one's `run` + `finish` (the
+        same sequences, one position on: multi-step decode), from numpy token ids, positions, KV
+        slots and context lengths (int64, one per row). Nothing that step checked can have changed
+        in between, so its layer, norm and head arguments are reused as they are."""
+        self.common = (slots, self.common[1], lens, *self.common[3:])
+        self._layers(self.embed(ids), positions)
+        return self._tail(*self.tail)
+
+    def finish(self, model, norm, head) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """(hidden, logits) after the last layer: norm(MLP branch + residual) on the step's buffers
         and, in the same compiled call, the LM head's logits where the head has a kernel (else, or
         with head None, None: the caller runs the head); None when the norm is not a plain RMSNorm."""
@@ -181,14 +200,47 @@ class FusedDecodeStep:
             args = norm.__dict__["_fused_decode_norm"] = (norm.weight, norm.weight.data_ptr(), _norm_args(norm))
         if args[2] is None:
             return None
+        self.tail = (args[2], None if head is None else _head_args(head, self.rows))
+        self.embed = _embedder(model.embed_tokens)
+        return self._tail(*self.tail)
+
+    def _tail(self, norm: tuple, projection: tuple | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         hidden = np.empty_like(self.out)
-        projection = None if head is None else _head_args(head, self.rows)
         if projection is None:
-            cpu_decode_layer.final_norm(self.out, self.res_out, *args[2], hidden)
+            cpu_decode_layer.final_norm(self.out, self.res_out, *norm, hidden)
             return torch.from_numpy(hidden), None
         logits = np.empty((self.rows, projection[0].shape[0]), np.float32)
-        cpu_decode_layer.final_norm_head(self.out, self.res_out, *args[2], hidden, projection, self.threads, logits)
+        cpu_decode_layer.final_norm_head(self.out, self.res_out, *norm, hidden, projection, self.threads, logits)
         return torch.from_numpy(hidden), torch.from_numpy(logits)
+
+
+def _embedder(embed) -> Callable[[np.ndarray], np.ndarray]:
+    """ids [n] int64 -> fp32 rows [n, hidden] of the model's embedding, equal to its forward:
+    numpy for an fp32 nn.Embedding, a bf16 one widened (strata.memory.bf16_weights) and a tied
+    quantised one (strata.memory.quant); the module itself otherwise. Cached on the module while
+    its tensors are the same ones (~2 us to check)."""
+    tensors = [embed.weight] if hasattr(embed, "weight") else [embed.head[0].qweight, embed.head[0].scale] \
+        if type(embed).__name__ == "QuantEmbedding" else []
+    key = [(t, t.data_ptr()) for t in tensors]
+    cache = embed.__dict__.get("_fused_decode_embedder")
+    if cache is not None and cache[0] == key:
+        return cache[1]
+    kind = type(embed).__name__
+    w = tensors[0] if tensors else None
+    if kind == "Embedding" and w.dtype is torch.float32 and w.is_cpu and w.is_contiguous():
+        table = w.detach().numpy()
+        fn = table.__getitem__
+    elif kind == "WidenedEmbedding" and embed.out_dtype is torch.float32 and w.is_cpu and w.is_contiguous():
+        table = w.detach().view(torch.int16).numpy()  # bf16 bits; widening is exact: bits << 16
+        fn = lambda ids: (table[ids].astype(np.int32) << 16).view(np.float32)  # noqa: E731
+    elif kind == "QuantEmbedding" and embed.dtype is torch.float32 and cpu_quant.usable(tensors[1], tensors[0]):
+        head = embed.head[0]
+        qw, sc = head.qweight.numpy(), head.scale.numpy()
+        fn = lambda ids: cpu_quant.embedding_rows_np(head.method, qw, sc, ids, head.group_size)  # noqa: E731
+    else:
+        fn = lambda ids: embed(torch.from_numpy(ids)).contiguous().numpy()  # noqa: E731
+    embed.__dict__["_fused_decode_embedder"] = (key, fn)
+    return fn
 
 
 def _head_args(head, rows: int) -> tuple | None:

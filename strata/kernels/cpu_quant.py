@@ -550,12 +550,16 @@ def embedding_rows(method: str, qweight, scale, ids: torch.Tensor, group_size: i
     """The fp32 rows `ids` (any shape, flattened) of a quantised [vocab, hidden] weight: a tied
     embedding's lookup in one call, equal to the reference's index_select + dequantise (~5-10 torch
     ops a decode step, each paying a cold cache after the weights streamed through it)."""
-    w, s = _np(qweight), _np(scale)
     flat = ids.reshape(-1).to(torch.int64).numpy()
+    return torch.from_numpy(embedding_rows_np(method, _np(qweight), _np(scale), flat, group_size))
+
+
+def embedding_rows_np(method: str, w: np.ndarray, s: np.ndarray, flat: np.ndarray, group_size: int) -> np.ndarray:
+    """embedding_rows on numpy arrays: the weight's and scale's, and int64 token ids [n]."""
     n_in = w.shape[1] * (2 if method == "int4" else 1)
     out = np.empty((flat.shape[0], n_in), np.float32)
     ok = _int8_rows(w, s, flat, out) if method == "int8" else _int4_rows(w, s, flat, out, group_size)
     if not ok:
         raise IndexError(f"token id out of range for an embedding of {w.shape[0]} rows: "
                          f"{flat.min()}..{flat.max()}")
-    return torch.from_numpy(out)
+    return out

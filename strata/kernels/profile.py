@@ -10,6 +10,9 @@ under torch.profiler, each step inside a `strata::decode_step` range, and reads 
   them as plain Python functions; under `named_kernels()` each entry point, decorated with
   kernels/dispatch.kernel, runs inside a record_function range of that name).
 - *Self time* of an event: its duration minus its children's, so self times never double count.
+- Figures are per decode step: an engine.step() call that runs several (multi-step decode,
+  engine/multi_step.py) counts as that many, so a step's host overhead includes its share of the
+  per-call work.
 - On CPU, *step time* is the wall time of the step ranges (engine.step(): schedule, forward,
   sample, outputs), summed over the profiled steps, and
       host overhead = step time - sum of the self times of all operator/kernel events in the steps,
@@ -78,7 +81,7 @@ class HotspotRow:
 @dataclass
 class ProfileReport:
     device: str
-    steps: int
+    steps: int  # decode steps profiled
     step_ms: float  # mean wall time of a profiled step
     kernel_ms: float  # mean sum of operator/kernel self times per step
     host_overhead_ms: float
@@ -86,6 +89,7 @@ class ProfileReport:
     rows: list[HotspotRow] = field(default_factory=list)
     unprofiled_step_ms: float | None = None
     trace: str | None = None
+    calls: int | None = None  # engine.step() calls they ran in (multi-step decode: several steps a call)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -96,7 +100,8 @@ class ProfileReport:
         from strata.text_table import print_table
 
         buf = StringIO()
-        print(f"decode hotspots ({self.steps} profiled steps on {self.device}; self time per step)", file=buf)
+        calls = "" if self.calls in (None, self.steps) else f" in {self.calls} scheduler calls"
+        print(f"decode hotspots ({self.steps} profiled steps{calls} on {self.device}; self time per step)", file=buf)
         print_table(
             ["operator/kernel", "calls/step", "self ms/step", "share of step"],
             [[r.name, r.calls_per_step, r.self_ms_per_step, f"{r.share:.1%}"] for r in self.rows],
@@ -125,8 +130,10 @@ def _walk(ev) -> Iterator:
         yield from _walk(c)
 
 
-def analyze(events, device: str, top: int = 5) -> ProfileReport:
-    """The report from a profile's events (FunctionEvents with their parent/child links)."""
+def analyze(events, device: str, top: int = 5, decode_steps: int | None = None) -> ProfileReport:
+    """The report from a profile's events (FunctionEvents with their parent/child links), per decode
+    step: `decode_steps` of them in the step ranges (multi-step decode runs several in one engine
+    call; None: one per range)."""
     steps = [e for e in events if e.name == STEP]
     if not steps:
         raise ValueError(f"no {STEP} ranges in the profile")
@@ -143,13 +150,14 @@ def analyze(events, device: str, top: int = 5) -> ProfileReport:
                 if not _is_grouping(e.name):
                     by_name.setdefault(e.name, []).append(e.self_cpu_time_total)
     kernel = sum(sum(v) for v in by_name.values())
-    n = len(steps)
+    n = decode_steps or len(steps)
     ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
     rows = [HotspotRow(name, len(v) / n, sum(v) / n / 1e3, sum(v) / wall if wall else 0.0) for name, v in ranked]
     host = max(0.0, wall - kernel)
     return ProfileReport(
         device=device, steps=n, step_ms=wall / n / 1e3, kernel_ms=kernel / n / 1e3,
         host_overhead_ms=host / n / 1e3, host_overhead_share=host / wall if wall else 0.0, rows=rows,
+        calls=len(steps),
     )
 
 
@@ -167,17 +175,19 @@ def profile_decode(engine, prompts: list[list[int]], params, top: int = 5, trace
         activities = [torch.profiler.ProfilerActivity.CPU]
         if device == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
+        decode_steps = 0
         with named_kernels(), quiet_profile(torch.profiler.profile(activities=activities)) as prof:
             while engine.has_unfinished():
                 with record_function(STEP):
                     engine.step()
+                decode_steps += engine.last_schedule.num_steps
                 if device == "cuda":
                     torch.cuda.synchronize()
     except BaseException:
         for rid in ids:
             engine.abort(rid)
         raise
-    report = analyze(prof.events(), device, top)
+    report = analyze(prof.events(), device, top, decode_steps)
     if trace:
         prof.export_chrome_trace(trace)
         report.trace = trace

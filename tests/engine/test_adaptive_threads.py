@@ -24,7 +24,7 @@ class FakeEngine:
     def step(self, tuner: AdaptiveThreads, tokens_per_seq: int = 1) -> None:
         self.stage_seconds["forward"] += self.step_s[cpu_gemv.thread_cap()]
         seqs = [SimpleNamespace(num_tokens=tokens_per_seq)]
-        self.last_schedule = SimpleNamespace(scheduled=seqs, num_tokens=tokens_per_seq * len(seqs))
+        self.last_schedule = SimpleNamespace(scheduled=seqs, num_tokens=tokens_per_seq * len(seqs), num_steps=1)
         tuner(self)
 
 

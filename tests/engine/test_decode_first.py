@@ -31,7 +31,7 @@ class FakeEngine:
         if prefill:
             scheduled.append(SimpleNamespace(num_tokens=prefill, draft=[]))
         self.stage_seconds["forward"] += decode_s + token_s * prefill
-        self.last_schedule = SimpleNamespace(scheduled=scheduled)
+        self.last_schedule = SimpleNamespace(scheduled=scheduled, num_steps=1)
         for observe in self.step_observers:
             observe(self)
 

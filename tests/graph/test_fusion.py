@@ -23,18 +23,19 @@ LENGTHS = (5, 40, 19)  # a 40-token prefill (torch paths) next to short ones; de
 
 
 def _run(llm, prompts: list[list[int]], max_tokens: int):
-    """Greedy tokens, and the logits of every step."""
+    """Greedy tokens, and the logits of every step (multi-step decode's later steps included)."""
     runner = llm.engine.runner
-    execute = runner.execute
     logits: list[torch.Tensor] = []
 
-    def recording(out):
-        step_logits, order = execute(out)
-        if step_logits is not None:
-            logits.append(step_logits.clone())
-        return step_logits, order
+    def recording(execute):
+        def run(*args):
+            step_logits, order = execute(*args)
+            if step_logits is not None:
+                logits.append(step_logits.clone())
+            return step_logits, order
+        return run
 
-    runner.execute = recording
+    runner.execute, runner.execute_next = recording(runner.execute), recording(runner.execute_next)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
                         use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs], logits

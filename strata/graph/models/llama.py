@@ -210,13 +210,12 @@ class CausalLM(nn.Module):
         residual = None
         fused = FusedDecodeStep.start(self, x, meta, kv_caches)  # CPU decode: the layers in one loop
         out = None if fused is None else fused.run(self, x, positions, kv_caches)
+        self.__dict__["_fused_last"] = None
         if out is not None:
-            done = fused.finish(self.norm, self.lm_head if self.fused_head else None)  # on the step's buffers too
+            done = fused.finish(self, self.norm, self.lm_head if self.fused_head else None)  # on the step's buffers too
             if done is not None:
-                hidden, logits = done
-                # compute_logits(hidden) takes these: the head ran in the norm's compiled call
-                self.__dict__["_fused_logits"] = None if logits is None else (hidden, logits)
-                return hidden
+                self.__dict__["_fused_last"] = fused  # what decode_next continues
+                return self._fused_hidden(*done)
             x, residual = out
         else:
             rope = self.rotary(positions, x.dtype)
@@ -227,6 +226,22 @@ class CausalLM(nn.Module):
                 x, residual = layer(x, residual, layer_rope, meta, cache)
         x, _ = self.norm(x, residual)
         return x
+
+    def _fused_hidden(self, hidden: torch.Tensor, logits: torch.Tensor | None) -> torch.Tensor:
+        # compute_logits(hidden) takes these: the head ran in the norm's compiled call
+        self.__dict__["_fused_logits"] = None if logits is None else (hidden, logits)
+        return hidden
+
+    def decode_next(self, ids, positions, slots, lens) -> torch.Tensor | None:
+        """Hidden states of the decode step right after a forward that ran fused (graph/cpu_decode.py):
+        the same sequences, one position on (multi-step decode: engine/runner.execute_next), without
+        that forward's checks and argument building; None when the last forward did not run fused
+        (the caller runs the forward). Arguments: int64 numpy arrays, one entry per row (token ids,
+        positions, KV cache slots, context lengths)."""
+        fused = self.__dict__.get("_fused_last")
+        if fused is None:
+            return None
+        return self._fused_hidden(*fused.next(self, ids, positions, slots, lens))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         fused = self.__dict__.pop("_fused_logits", None)  # the fused decode step's, for this hidden
