@@ -76,7 +76,7 @@ class EngineConfig:
     # on CPU from the measured prefill rate and a target step time, engine/build.py; off on GPU)
     max_prefill_tokens_while_decoding: int | None = None
     # multi-step decode (vLLM's name): up to this many decode steps per scheduler call while every
-    # running sequence decodes and nobody waits; None = auto (CPU: as many as fit a 25 ms burst by
+    # running sequence decodes and nobody waits; None = auto (CPU: as many as fit a 50 ms burst by
     # the measured step time, engine/multi_step.py; GPU and tensor parallel: 1)
     num_scheduler_steps: int | None = None
     num_threads: int | None = None

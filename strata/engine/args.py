@@ -62,7 +62,7 @@ FLAGS: tuple[_Flag, ...] = (
           default_text="strata serve on CPU: measured prefill rate x 0.10 s; offline LLM / GPU: no cap"),
     _Flag("num_scheduler_steps", "multi-step decode: up to this many decode steps per scheduler call while "
           "every running sequence decodes and no request waits (tokens then stream in bursts; 1 = off)",
-          type=int, default_text="CPU: as many as fit a 25 ms burst at the measured step time, at most 8; GPU: 1"),
+          type=int, default_text="CPU: as many as fit a 50 ms burst at the measured step time, at most 8; GPU: 1"),
     _Flag("num_threads", "compute threads", flag="--threads", type=int, default_text="physical cores"),
     _Flag("speculative_model", "speculative decoding: 'ngram' drafts by prompt lookup (tokens that followed "
           "the same n-gram earlier in the prompt or output), or a small draft model's directory (same "

@@ -22,7 +22,7 @@ from __future__ import annotations
 from strata.env_switch import switched_off
 
 ENV = "STRATA_MULTI_STEP"
-BURST_S = 0.025  # longest burst of decode steps; ~1/40 s is below what a reader of a stream sees
+BURST_S = 0.05  # longest burst of decode steps; 1/20 s is below what a reader of a stream notices
 MAX_STEPS = 8  # the host work per call is amortised ~90% by then
 ALPHA = 0.3  # EWMA weight of the newest step
 

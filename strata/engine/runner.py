@@ -15,6 +15,7 @@ import torch
 from strata.engine.scheduler import ScheduledSeq, SchedulerOutput
 from strata.engine.speculative import DraftView
 from strata.graph.models.llama import CausalLM
+from strata.kernels import cpu_decode_layer
 from strata.kernels.attention import (
     AttentionBackend,
     AttentionMetadata,
@@ -46,6 +47,7 @@ class ModelRunner:
         self.prompt_rows: list[tuple] = []
         self.prompt_logits: list[tuple] = []
         self._next = None  # (positions, metadata, order) of the last all-decode step
+        self._rows = None  # on CPU: its (positions, block tables, slots, lengths) as numpy (execute_next)
 
     def _tensor(self, data) -> torch.Tensor:
         """An int64 tensor of `data` (a list, or a list of equal-length lists) on the device. On
@@ -149,7 +151,7 @@ class ModelRunner:
             self.swapper.swap_out(out.swap_out)  # before the freed blocks are written again
             self.swapper.start_swap_in(out.swap_in)  # overlaps this step's forward
         copy_blocks(self.kv_caches, out.block_copies)
-        self._next = None
+        self._next = self._rows = None
         if not out.scheduled:
             return None, []
         ids, pos, meta, rows, order = self.prepare(out)
@@ -166,18 +168,18 @@ class ModelRunner:
             raise RuntimeError("execute_next: the last step was not an all-decode step")
         pos, meta, order = self._next
         bs, tables = self.block_size, meta.decode_block_tables
-        if self.device.type == "cpu":  # numpy: a few us instead of ~8 torch ops
-            p = pos + 1  # (numpy on CPU after the first: the positions and tables as numpy views)
-            if isinstance(p, torch.Tensor):
-                p, self._tables_np = p.numpy(), tables.numpy()
-            slots = self._tables_np[np.arange(len(p)), p // bs] * bs + p % bs
+        if self.device.type == "cpu":
+            if self._rows is None:  # the step's rows as numpy arrays of its own, moved in place
+                p = pos.numpy().copy()
+                self._rows = (p, tables.numpy(), np.empty_like(p), np.empty_like(p))
+            p, table_rows, slots, lens = self._rows
+            cpu_decode_layer.advance_rows(p, table_rows, bs, slots, lens)
             if self.decode_step is None and self.forward is self.model and hasattr(self.model, "decode_next"):
                 # the fused CPU step continues, on numpy arrays (graph/cpu_decode.py)
-                hidden = self.model.decode_next(np.array(token_ids, np.int64), p, slots, p + 1)
+                hidden = self.model.decode_next(np.array(token_ids, np.int64), p, slots, lens)
                 if hidden is not None:
-                    self._next = (p, meta, order)  # (meta: only its tables are read again)
                     return self._logits(hidden, None, order)
-            pos, slots, lens = torch.from_numpy(p), torch.from_numpy(slots), torch.from_numpy(p + 1)
+            pos, slots, lens = (torch.from_numpy(a.copy()) for a in (p, slots, lens))
         else:
             pos = pos + 1
             slots = tables.gather(1, (pos // bs)[:, None]).squeeze(1) * bs + pos % bs

@@ -107,7 +107,7 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, _MASK)
 
 
-def _plain_greedy(seq: Sequence) -> bool:
+def plain_greedy(seq: Sequence) -> bool:
     """Whether the row's token is just the argmax of its logits: greedy, no logprobs, no penalties,
     no min_tokens still forbidding a stop token (what the full path would compute to the same)."""
     p = seq.request.params
@@ -174,7 +174,7 @@ class Sampler:
         """constrain(logits) -> logits: structured output's masks (engine/grammar.GrammarMasks),
         applied after penalties; a row left with no token (min_tokens forbids the only one its
         grammar allows: EOS) takes the grammar's choice."""
-        if constrain is None and all(map(_plain_greedy, seqs)):
+        if constrain is None and all(map(plain_greedy, seqs)):
             return SamplerOutput(argmax_rows(logits).tolist(), [None] * len(seqs))
         dev = logits.device
         rows = len(seqs)

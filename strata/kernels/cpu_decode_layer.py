@@ -168,3 +168,28 @@ if numba is not None:
 
 
 NO_ARRAY = np.empty(0, np.float32)  # an absent bias or scale
+
+
+def advance_rows(positions: np.ndarray, tables: np.ndarray, block_size: int, slots: np.ndarray,
+                 lens: np.ndarray) -> None:
+    """Multi-step decode, in place: every row one position on, with its KV slot (from its block
+    table [rows, blocks]) and its context length (position + 1). int64 arrays. One compiled call:
+    the ~8 small numpy ops it replaces cost ~70 us a step right after the weights streamed through
+    the caches."""
+    if numba is None:  # pragma: no cover - exercised only where numba is absent
+        positions += 1
+        slots[:] = tables[np.arange(len(positions)), positions // block_size] * block_size + positions % block_size
+        lens[:] = positions + 1
+        return
+    _advance_rows(positions, tables, block_size, slots, lens)
+
+
+if numba is not None:
+
+    @njit(cache=True)
+    def _advance_rows(positions, tables, block_size, slots, lens):  # pragma: no cover - compiled
+        for i in range(positions.shape[0]):
+            p = positions[i] + 1
+            positions[i] = p
+            slots[i] = tables[i, p // block_size] * block_size + p % block_size
+            lens[i] = p + 1

@@ -32,7 +32,7 @@ def test_multi_step_overhead_is_a_plus_b_over_steps() -> None:
     assert o.at(1, 0, steps=8) == pytest.approx(0.3e-3)
     assert o.at(1, 0, steps=2) == pytest.approx(0.2e-3 + 0.8e-3 / 2)
     assert o.at(16, 0, steps=4) == pytest.approx(2e-3)  # nothing saved at 16 rows
-    assert o.steps_per_call(4e-3) == 6 and o.steps_per_call(0.1) == 1  # the engine's rule (25 ms bursts)
+    assert o.steps_per_call(8e-3) == 6 and o.steps_per_call(0.1) == 1  # the engine's rule (50 ms bursts)
     assert StepOverhead.from_json(o.to_json()) == o
 
 

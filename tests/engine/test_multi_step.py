@@ -160,12 +160,12 @@ def test_auto_steps_follow_the_measured_step_time():
                                             num_steps=steps)
         tuner(eng)
 
-    step(0.004)  # the first call only starts the clock
+    step(0.008)  # the first call only starts the clock
     for _ in range(20):
-        step(0.004)
-    assert sched.lookahead == 6  # 25 ms / 4 ms
+        step(0.008)
+    assert sched.lookahead == 6  # 50 ms / 8 ms
     for _ in range(20):
-        step(0.010 * 2, steps=2)  # per step 10 ms, whatever the steps per call
+        step(0.020 * 2, steps=2)  # per step 20 ms, whatever the steps per call
     assert sched.lookahead == 2
     step(1.0, prompt=True)  # a prefill step says nothing about decode
     assert sched.lookahead == 2
@@ -196,3 +196,20 @@ def test_bad_settings_are_refused(kw, match):
 
     with pytest.raises(ConfigError, match=match):
         EngineConfig(**kw)
+
+
+def test_advance_rows_matches_its_numpy_twin():
+    """cpu_decode_layer.advance_rows (compiled) against the arithmetic it replaces, across block
+    boundaries and row counts 1..16."""
+    from strata.kernels import cpu_decode_layer
+
+    rng = np.random.default_rng(0)
+    for rows in (1, 3, 16):
+        tables = rng.integers(0, 1000, (rows, 9)).astype(np.int64)
+        pos = rng.integers(0, 8 * 16 - 1, rows).astype(np.int64)
+        pos[0] = 15  # the next position opens a new block
+        want = pos + 1
+        slots, lens = np.empty_like(pos), np.empty_like(pos)
+        cpu_decode_layer.advance_rows(pos, tables, 16, slots, lens)
+        assert np.array_equal(pos, want) and np.array_equal(lens, want + 1)
+        assert np.array_equal(slots, tables[np.arange(rows), want // 16] * 16 + want % 16)
