@@ -33,6 +33,7 @@ ENV = "STRATA_ADAPTIVE_THREADS"
 PERIOD_S = 2.0
 MAX_PERIOD_S = 32.0
 TRIAL_STEPS = 6
+MIN_CALLS = 3  # multi-step decode: a window also spans this many engine steps (a call's mean is one sample)
 SWITCH_MARGIN = 1.15  # the trial must be this much faster to be kept
 DEGRADED = 1.3  # recent median this much above the best recent median: try another count now
 
@@ -48,7 +49,8 @@ class AdaptiveThreads:
         self.max_threads = max_threads
         self.current = max_threads
         self.trial: int | None = None
-        self.samples: dict[int, list[float]] = {}
+        self.samples: dict[int, list[float]] = {}  # thread count -> recent per-step seconds, a call each
+        self._steps: dict[int, list[int]] = {}  # the decode steps of each of those calls
         self.best: float | None = None  # best median of the current count since the last decision
         self.period = PERIOD_S
         self.next_trial = time.monotonic() + self.period
@@ -83,13 +85,19 @@ class AdaptiveThreads:
             return
         n = self.trial if self.trial is not None else self.current
         times = self.samples.setdefault(n, [])
-        times.extend([(forward - last) / out.num_steps] * out.num_steps)  # multi-step decode: each step counts
-        del times[:-TRIAL_STEPS]
+        # one sample per call, its mean per decode step (multi-step decode runs several a call);
+        # a window holds the last TRIAL_STEPS steps, and at least MIN_CALLS calls
+        times.append((forward - last) / out.num_steps)
+        steps = self._steps.setdefault(n, [])
+        steps.append(out.num_steps)
+        while len(times) > MIN_CALLS and sum(steps[1:]) >= TRIAL_STEPS:
+            del times[0], steps[0]
+        full = sum(steps) >= TRIAL_STEPS and len(times) >= MIN_CALLS
         if self.trial is not None:
-            if len(self.samples[self.trial]) >= TRIAL_STEPS:
+            if full:
                 self._decide()
             return
-        if len(times) < TRIAL_STEPS:
+        if not full:
             return
         median = statistics.median(times)
         self.best = median if self.best is None else min(self.best, median)
@@ -102,8 +110,11 @@ class AdaptiveThreads:
             return
         self.trial = other
         self.trials += 1
-        self.samples[other] = []
+        self._clear(other)
         cpu_gemv.set_thread_cap(other)
+
+    def _clear(self, n: int) -> None:
+        self.samples[n], self._steps[n] = [], []
 
     def _decide(self) -> None:
         trial, cur = self.trial, self.current
@@ -118,8 +129,8 @@ class AdaptiveThreads:
         else:
             self.period = min(MAX_PERIOD_S, self.period * 2)
         cpu_gemv.set_thread_cap(self.current)
-        self.samples[cur if self.current == trial else trial] = []
-        self.samples[self.current] = []  # the next best is measured afresh
+        self._clear(cur if self.current == trial else trial)
+        self._clear(self.current)  # the next best is measured afresh
         self.best = None
         self.trial = None
         self.next_trial = time.monotonic() + self.period

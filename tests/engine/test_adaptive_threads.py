@@ -21,10 +21,12 @@ class FakeEngine:
         self.stage_seconds = {"forward": 0.0}
         self.last_schedule = None
 
-    def step(self, tuner: AdaptiveThreads, tokens_per_seq: int = 1) -> None:
-        self.stage_seconds["forward"] += self.step_s[cpu_gemv.thread_cap()]
+    def step(self, tuner: AdaptiveThreads, tokens_per_seq: int = 1, num_steps: int = 1, slow: float = 1.0) -> None:
+        """One engine call: `num_steps` decode steps (multi-step decode), `slow` x their usual time."""
+        self.stage_seconds["forward"] += self.step_s[cpu_gemv.thread_cap()] * num_steps * slow
         seqs = [SimpleNamespace(num_tokens=tokens_per_seq)]
-        self.last_schedule = SimpleNamespace(scheduled=seqs, num_tokens=tokens_per_seq * len(seqs), num_steps=1)
+        self.last_schedule = SimpleNamespace(scheduled=seqs, num_tokens=tokens_per_seq * len(seqs),
+                                             num_steps=num_steps)
         tuner(self)
 
 
@@ -123,3 +125,27 @@ def test_an_engine_does_not_leak_its_kernel_cap(tiny_models, llm_factory, prompt
                  use_tqdm=False)
     assert seen and set(seen) == {tuner.cap}  # every kernel of its steps ran under its cap
     assert cpu_gemv.thread_cap() is None  # and nothing is left behind
+
+
+def test_multi_step_calls_are_one_sample_each(two_threads):
+    """With 8 decode steps a call, one slow call among them does not start a trial (a window spans
+    MIN_CALLS calls, median of their per-step means), a trial lasts MIN_CALLS calls, and contention
+    still moves the count down."""
+    clock = two_threads
+    engine = FakeEngine({2: 0.010, 1: 0.012})
+    tuner = AdaptiveThreads(max_threads=2)
+    _run(engine, tuner, clock, 4, num_steps=8)
+    engine.step(tuner, num_steps=8, slow=2.0)  # one noisy call
+    assert tuner.trials == 0
+    engine.step_s = {2: 0.040, 1: 0.012}  # contention
+    calls = 0
+    while tuner.trial is None and calls < 10:
+        clock[0] += 0.1
+        engine.step(tuner, num_steps=8)
+        calls += 1
+    assert tuner.trial == 1
+    for _ in range(adaptive_threads.MIN_CALLS - 1):
+        engine.step(tuner, num_steps=8)
+        assert tuner.trial == 1  # still measuring
+    engine.step(tuner, num_steps=8)
+    assert tuner.trial is None and tuner.current == 1
