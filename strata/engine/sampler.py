@@ -175,6 +175,8 @@ class Sampler:
         applied after penalties; a row left with no token (min_tokens forbids the only one its
         grammar allows: EOS) takes the grammar's choice."""
         if constrain is None and all(map(plain_greedy, seqs)):
+            if logits.is_cpu and logits.dtype is torch.float32 and logits.dim() == 2:  # numpy's list: no tensor
+                return SamplerOutput(np.argmax(logits.detach().numpy(), axis=-1).tolist(), [None] * len(seqs))
             return SamplerOutput(argmax_rows(logits).tolist(), [None] * len(seqs))
         dev = logits.device
         rows = len(seqs)
