@@ -218,29 +218,27 @@ def _embedder(embed) -> Callable[[np.ndarray], np.ndarray]:
     """ids [n] int64 -> fp32 rows [n, hidden] of the model's embedding, equal to its forward:
     numpy for an fp32 nn.Embedding, a bf16 one widened (strata.memory.bf16_weights) and a tied
     quantised one (strata.memory.quant); the module itself otherwise. Cached on the module while
-    its tensors are the same ones (~2 us to check)."""
-    tensors = [embed.weight] if hasattr(embed, "weight") else [embed.head[0].qweight, embed.head[0].scale] \
-        if type(embed).__name__ == "QuantEmbedding" else []
-    key = [(t, t.data_ptr()) for t in tensors]
+    its tensors (and a quantised one's head's) are in place (_Snapshot)."""
     cache = embed.__dict__.get("_fused_decode_embedder")
-    if cache is not None and cache[0] == key:
-        return cache[1]
-    kind = type(embed).__name__
-    w = tensors[0] if tensors else None
+    if cache is None or not cache[0].unchanged():
+        owners = [embed, *getattr(embed, "head", [])]  # QuantEmbedding reads its (unregistered) head
+        cache = embed.__dict__["_fused_decode_embedder"] = (_Snapshot(owners), _lookup(embed))
+    return cache[1]
+
+
+def _lookup(embed) -> Callable[[np.ndarray], np.ndarray]:
+    kind, w = type(embed).__name__, getattr(embed, "weight", None)
     if kind == "Embedding" and w.dtype is torch.float32 and w.is_cpu and w.is_contiguous():
-        table = w.detach().numpy()
-        fn = table.__getitem__
-    elif kind == "WidenedEmbedding" and embed.out_dtype is torch.float32 and w.is_cpu and w.is_contiguous():
+        return w.detach().numpy().__getitem__
+    if kind == "WidenedEmbedding" and embed.out_dtype is torch.float32 and w.is_cpu and w.is_contiguous():
         table = w.detach().view(torch.int16).numpy()  # bf16 bits; widening is exact: bits << 16
-        fn = lambda ids: (table[ids].astype(np.int32) << 16).view(np.float32)  # noqa: E731
-    elif kind == "QuantEmbedding" and embed.dtype is torch.float32 and cpu_quant.usable(tensors[1], tensors[0]):
+        return lambda ids: (table[ids].astype(np.int32) << 16).view(np.float32)
+    if kind == "QuantEmbedding" and embed.dtype is torch.float32 and cpu_quant.usable(embed.head[0].scale,
+                                                                                      embed.head[0].qweight):
         head = embed.head[0]
         qw, sc = head.qweight.numpy(), head.scale.numpy()
-        fn = lambda ids: cpu_quant.embedding_rows_np(head.method, qw, sc, ids, head.group_size)  # noqa: E731
-    else:
-        fn = lambda ids: embed(torch.from_numpy(ids)).contiguous().numpy()  # noqa: E731
-    embed.__dict__["_fused_decode_embedder"] = (key, fn)
-    return fn
+        return lambda ids: cpu_quant.embedding_rows_np(head.method, qw, sc, ids, head.group_size)
+    return lambda ids: embed(torch.from_numpy(ids)).contiguous().numpy()
 
 
 def _head_args(head, rows: int) -> tuple | None:

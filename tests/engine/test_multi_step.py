@@ -213,3 +213,15 @@ def test_advance_rows_matches_its_numpy_twin():
         cpu_decode_layer.advance_rows(pos, tables, 16, slots, lens)
         assert np.array_equal(pos, want) and np.array_equal(lens, want + 1)
         assert np.array_equal(slots, tables[np.arange(rows), want // 16] * 16 + want % 16)
+
+
+def test_fused_embedding_lookup_follows_a_replaced_weight(llama):
+    llm = make_llm(llama)
+    try:
+        embed = llm.engine.model.embed_tokens
+        ids = np.array([3, 9], np.int64)
+        cpu_decode._embedder(embed)(ids)
+        embed.weight = torch.nn.Parameter(embed.weight.detach() * 2, requires_grad=False)
+        assert np.array_equal(cpu_decode._embedder(embed)(ids), embed.weight.detach().numpy()[ids])
+    finally:
+        llm.close()
