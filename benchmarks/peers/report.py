@@ -152,8 +152,10 @@ def render_markdown(res: dict) -> str:
       "GEMV quantises the activations to int8 per 64 columns and runs integer dot products, as q8_0 does "
       "per 32 (q8_0 scales weights per block of 32). Strata's int4 uses groups of 64 with fp32 scales, "
       "4.5 bits a weight like q4_0's blocks of 32 with fp16 scales, and int8 activations at batch 1 where VNNI. "
-      "Prefill of int8/int4 dequantises the weight for the GEMM (to bf16 where `dtype=auto` measured oneDNN's "
-      "bf16 GEMM faster, else tile by tile to fp32). "
+      "Prefill of int8 dequantises the weight for the GEMM (to bf16 where `dtype=auto` measured oneDNN's "
+      "bf16 GEMM faster, else tile by tile to fp32); prefill of int4 rounds each input row to int8 and "
+      "multiplies by the weight requantised to int8 per row in torch's int8 GEMM, where the hardware layer "
+      "measured that faster, as q4_0 prefill multiplies by int8 activations too. "
       + kv_cache_sentence((res.get("workload") or {}).get("strata_kv_cache_dtype", "auto")) + "\n")
     w(f"llama.cpp variant used: {(res.get('versions') or {}).get('llama_cpp', {}).get('variant', 'native')}.\n")
     for shape, sr in (res.get("latency") or {}).items():

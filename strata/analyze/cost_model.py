@@ -143,10 +143,11 @@ def this_device(profile, dtype: torch.dtype, quantization: str | None, count: in
 
         stream = need(profile.quant_linear_gbs, quantization, "quantised batch-1")
         few = need(profile.quant_matmul_gflops, quantization, "quantised batch-16")
-        int8_path = int8_prefill_gemm(profile, narrow_path)[0] if quantization == "int8" else narrow_path
+        int8_path = int8_prefill_gemm(profile, narrow_path, quantization)[0]
         gemm = need(profile.gemm_gflops, "int8_int8" if int8_path == "int8" else rate_key[narrow_path], "GEMM")
         if int8_path == "int8":
-            notes.append("int8 prefill = W8A8 (per-row int8 activations, torch's int8 GEMM) as the engine picks it")
+            notes.append(f"{quantization} prefill = W8A8 (per-row int8 activations, torch's int8 GEMM) as the "
+                         "engine picks it")
         attn = profile.sdpa_gflops.get("float32", 0.0)
         if dname != "float32":
             notes.append(f"quantised kernels need float32 activations; {dname} dequantises per call")

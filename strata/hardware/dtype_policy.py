@@ -194,34 +194,37 @@ def prefill_gemms(profile: HardwareProfile) -> tuple[str, str, str]:
     return fp32, narrow, why
 
 
-def int8_prefill_gemm(profile: HardwareProfile, narrow: str) -> tuple[str, str]:
-    """The prefill GEMM of int8 weights: "int8" (W8A8, kernels/cpu_w8a8.py; `narrow` for inputs it
-    does not take), when STRATA_INT8_PREFILL=w8a8 asks for it and torch's measured int8 GEMM beats
-    the `narrow` path's rate by SWITCH_MARGIN,
-    unless STRATA_INT8_FP32_ACTIVATIONS=1 or STRATA_PREFILL_GEMM is set; else `narrow`.
+def int8_prefill_gemm(profile: HardwareProfile, narrow: str, method: str = "int8") -> tuple[str, str]:
+    """The prefill GEMM of `method` (int8 or int4) weights: "int8" (W8A8, kernels/cpu_w8a8.py;
+    `narrow` for inputs it does not take) where cpu_w8a8.prefill_enabled allows it (int8: asked for
+    with STRATA_INT8_PREFILL=w8a8; int4: by default) and torch's measured int8 GEMM beats the
+    `narrow` path's rate by SWITCH_MARGIN, unless STRATA_PREFILL_GEMM is set; else `narrow`.
     Returns (path, why)."""
-    from strata.kernels import cpu_quant
+    from strata.kernels import cpu_w8a8
 
     int8 = profile.gemm_gflops.get("int8_int8", 0.0)
     other = profile.gemm_gflops.get(GEMM_RATE_KEY[narrow], 0.0)
     forced = os.environ.get(PREFILL_GEMM_ENV, "auto") or "auto"
     if forced != "auto":
-        return narrow, f"int8 weights: W8A8 prefill off ({PREFILL_GEMM_ENV}={forced} names the narrow weights' GEMM)"
-    if not cpu_quant.int8_prefill_enabled():
-        return narrow, (f"int8 weights: W8A8 prefill off ({cpu_quant.INT8_PREFILL_ENV}=w8a8 asks for it; "
+        return narrow, f"{method} weights: W8A8 prefill off ({PREFILL_GEMM_ENV}={forced} names the narrow weights' GEMM)"
+    if not cpu_w8a8.prefill_enabled(method):
+        asked = (f"{cpu_w8a8.INT8_PREFILL_ENV}=w8a8 asks for it; " if method == "int8" else
+                 f"{cpu_w8a8.INT4_PREFILL_ENV}=dequant, STRATA_INT4_FP32_ACTIVATIONS=1 or no SSSE3 turn it off; ")
+        return narrow, (f"{method} weights: W8A8 prefill off ({asked}"
                         "needs numba and torch._int_mm, and no STRATA_INT8_FP32_ACTIVATIONS=1)")
     path = "int8" if int8 > 0 and other > 0 and int8 >= SWITCH_MARGIN * other else narrow
-    return path, f"int8 x int8 GEMM {int8:.0f} GOP/s vs {narrow} {other:.0f} -> int8 weights' prefill {path}"
+    return path, f"int8 x int8 GEMM {int8:.0f} GOP/s vs {narrow} {other:.0f} -> {method} weights' prefill {path}"
 
 
 def mark_prefill_gemms(model, profile: HardwareProfile) -> tuple[int, str]:
     """Mark every projection of `model` with the prefill GEMM path `prefill_gemms` picks (kernels/
-    cpu_gemm.py), falling back to aten where this torch build lacks oneDNN's linear; int8 weights
-    take `int8_prefill_gemm`'s. Returns (projections marked, why)."""
+    cpu_gemm.py), falling back to aten where this torch build lacks oneDNN's linear; int8 and int4
+    weights take `int8_prefill_gemm`'s. Returns (projections marked, why)."""
     from strata.kernels import cpu_gemm
 
     fp32, narrow, why = prefill_gemms(profile)
     if not cpu_gemm.onednn_available():
         fp32, narrow = "aten", "aten" if narrow == "onednn" else narrow
-    int8, int8_why = int8_prefill_gemm(profile, narrow)
-    return cpu_gemm.mark(model, fp32, narrow, int8), f"{why}; {int8_why}"
+    int8, int8_why = int8_prefill_gemm(profile, narrow, "int8")
+    int4, int4_why = int8_prefill_gemm(profile, narrow, "int4")
+    return cpu_gemm.mark(model, fp32, narrow, int8, int4), f"{why}; {int8_why}; {int4_why}"

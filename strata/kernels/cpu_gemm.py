@@ -15,9 +15,10 @@ cpu_quant.matmul). Paths:
   ~976 GFLOP/s on that Zen 5), whose product comes back rounded to bf16 too (torch has no CPU
   bf16 GEMM with an fp32 result), then widened. Otherwise a narrow weight's tiles are widened or dequantised to
   fp32 and multiplied by its fp32 path (exact for bf16 weights).
-- "int8" (int8 weights only): W8A8, the activations quantised per row and torch's int8 GEMM
-  (kernels/cpu_w8a8.py says when an input row is refused); such weights also carry the path taken
-  instead (`fallback_of`), the one other narrow weights take.
+- "int8" (int8 and int4 weights): W8A8, the activations quantised per row and torch's int8 GEMM
+  (an int4 weight requantised to int8 per call; kernels/cpu_w8a8.py says when an input row is
+  refused); such weights also carry the path taken instead (`fallback_of`), the one other narrow
+  weights take.
 """
 
 from __future__ import annotations
@@ -45,14 +46,16 @@ def fallback_of(holder: object) -> str:
     return holder.__dict__.get(FALLBACK_ATTR, "aten")
 
 
-def mark(model: nn.Module, fp32: str, narrow: str, int8: str | None = None) -> int:
+def mark(model: nn.Module, fp32: str, narrow: str, int8: str | None = None, int4: str | None = None) -> int:
     """Set every projection's path: fp32 weights take `fp32`; weights stored narrow (bf16 Linear
-    weights, quantised modules) take `narrow`, which is "bf16" or an fp32 path; int8 quantised
-    modules take `int8` when given ("int8", falling back to `narrow`, or `narrow` itself).
-    Returns the count."""
-    if fp32 not in FP32_PATHS or narrow not in PATHS or int8 not in (None, "int8", narrow):
+    weights, quantised modules) take `narrow`, which is "bf16" or an fp32 path; int8 / int4
+    quantised modules take `int8` / `int4` when given ("int8", falling back to `narrow`, or
+    `narrow` itself). Returns the count."""
+    if fp32 not in FP32_PATHS or narrow not in PATHS or int8 not in (None, "int8", narrow) \
+            or int4 not in (None, "int8", narrow):
         raise ValueError(f"GEMM paths: fp32 {fp32!r} (choose {', '.join(FP32_PATHS)}), narrow {narrow!r} "
-                         f"(choose {', '.join(PATHS)}), int8 {int8!r} (int8 or the narrow path)")
+                         f"(choose {', '.join(PATHS)}), int8 {int8!r} and int4 {int4!r} (int8 or the narrow path)")
+    quantised = {"int8": int8, "int4": int4}
     if "onednn" in (fp32, narrow) and not onednn_available():
         raise ValueError("GEMM path onednn: this torch build has no mkldnn._linear_pointwise")
     count = 0
@@ -61,7 +64,7 @@ def mark(model: nn.Module, fp32: str, narrow: str, int8: str | None = None) -> i
             setattr(m.weight, ATTR, fp32 if m.weight.dtype == torch.float32 else narrow)
             count += 1
         elif hasattr(m, "qweight"):
-            setattr(m, ATTR, int8 if int8 is not None and getattr(m, "method", None) == "int8" else narrow)
+            setattr(m, ATTR, quantised.get(getattr(m, "method", None)) or narrow)
             setattr(m, FALLBACK_ATTR, narrow)
             count += 1
     return count

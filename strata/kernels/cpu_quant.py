@@ -40,7 +40,13 @@ import numpy as np
 import torch
 
 from strata.kernels import cpu_gemm, cpu_gemv, cpu_w8a8
-from strata.kernels.cpu_w8a8 import INT8_PREFILL_ENV, INT8_PREFILL_MAX_RATIO, int8_prefill_enabled  # noqa: F401
+from strata.kernels.cpu_w8a8 import (  # noqa: F401
+    INT4_PREFILL_ENV,
+    INT4_PREFILL_MAX_RATIO,
+    INT8_PREFILL_ENV,
+    INT8_PREFILL_MAX_RATIO,
+    int8_prefill_enabled,
+)
 from strata.kernels.dispatch import KERNEL_MODE, kernel
 
 try:
@@ -449,9 +455,9 @@ def matmul(
 ) -> torch.Tensor:
     """x [rows, in] fp32 @ the quantised weight.T (+ bias) for many rows (prefill, big batches).
 
-    Path "int8" (int8 weights, where the hardware layer measured torch's int8 GEMM faster): W8A8
-    (kernels/cpu_w8a8.py); rows it does not take are recomputed by the GEMV kernel or the
-    `fallback` path.
+    Path "int8" (int8 and int4 weights, where the hardware layer measured torch's int8 GEMM
+    faster): W8A8 (kernels/cpu_w8a8.py); rows it does not take are computed by the GEMV kernel or
+    the `fallback` path.
 
     Path "bf16" (cpu_gemm.py: where the hardware layer measured oneDNN's bf16 GEMM faster): the
     weight is dequantised straight to bf16 into one reused buffer (whole, or in BF16_TILE_BYTES
@@ -465,8 +471,8 @@ def matmul(
     w, s = _np(qweight), _np(scale)
     n_out, n_in = w.shape[0], x.shape[1]
     _check(method, n_in, w, s, group_size)
-    if path == "int8" and method == "int8" and int8_prefill_enabled():
-        out, refused = cpu_w8a8.matmul(x, w, s)
+    if path == "int8" and cpu_w8a8.prefill_enabled(method):
+        out, refused = cpu_w8a8.matmul(x, w, s) if method == "int8" else cpu_w8a8.matmul_int4(x, w, s, group_size)
         if refused.numel():  # rows with outlier channels: the fallback path's numbers, row by row
             out[refused] = matmul(method, x[refused], w, s, group_size, None, fallback) if refused.numel() > MAX_ROWS \
                 else gemv(method, x[refused], w, s, group_size)

@@ -8,7 +8,8 @@ accumulators for the two nibbles. The int8 row dot is written the same way (see 
 On CPUs with AVX-512 VNNI, batch-1 int4 runs i4_dot_vnni and int8 GEMVs i8_dot_vnni instead:
 integer dot products against the input quantised to int8 (cpu_quant.py says when and why).
 bf16_dot reads bf16 weights and widens them exactly in registers (cpu_bf16.py). i4_row /
-i4_row_bf16 / i4_row_bf16_lut dequantise an int4 row for the prefill GEMM (fp32, or bf16 bits).
+i4_row_bf16 / i4_row_bf16_lut dequantise an int4 row for the prefill GEMM (fp32, or bf16 bits);
+i4_row_int8_lut requantises one to int8 for the W8A8 prefill (cpu_w8a8.py).
 Formats: quant_formats.py. Used by cpu_quant.py; import only where numba is available.
 """
 
@@ -287,6 +288,45 @@ def i4_row_bf16_lut(typingctx, wr, sr, bits, half):  # pragma: no cover - compil
                     vals = builder.shuffle_vector(looked, looked, lanes[h])
                     dst = builder.gep(out.data, [builder.add(base, k)], inbounds=True)
                     builder.store(vals, builder.bitcast(dst, vi16.as_pointer()), align=2)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+def has_ssse3() -> bool:
+    return "ssse3" in cpu_model_and_flags()[1]
+
+
+@intrinsic
+def i4_row_int8_lut(typingctx, wr, tables, out, half):  # pragma: no cover - compiled
+    """One packed int4 row to int8 by table lookup (SSSE3 PSHUFB, 16 lanes): `tables` [groups, 16]
+    holds each group's 16 int8 values (cpu_w8a8._int4_to_int8 computes them), so each 16 packed
+    bytes become two PSHUFBs of their low and high nibbles. `half` (group / 2) must be a multiple
+    of 16."""
+    sig = types.none(wr, tables, out, half)
+
+    def codegen(context, builder, signature, args):
+        w, tab, o = (context.make_array(t)(context, builder, v) for t, v in zip(signature.args[:3], args[:3]))
+        half_v = args[3]
+        i64 = ir.IntType(64)
+        vb = ir.VectorType(ir.IntType(8), _VL)
+        low4 = ir.Constant(vb, [15] * _VL)
+        pshufb = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(vb, [vb, vb]), "llvm.x86.ssse3.pshuf.b.128"
+        )
+        with cgutils.for_range(builder, cgutils.unpack_tuple(builder, tab.shape, 2)[0]) as group:
+            b0 = builder.mul(group.index, half_v)
+            x0 = builder.add(b0, b0)
+            tptr = builder.gep(tab.data, [builder.mul(group.index, ir.Constant(i64, _VL))], inbounds=True)
+            table = builder.load(builder.bitcast(tptr, vb.as_pointer()), align=1)
+            with cgutils.for_range_slice(builder, ir.Constant(i64, 0), half_v, ir.Constant(i64, _VL)) as (k, _):
+                ptr = builder.bitcast(builder.gep(w.data, [builder.add(b0, k)], inbounds=True), vb.as_pointer())
+                packed = builder.load(ptr, align=1)
+                lo = builder.and_(packed, low4)
+                hi = builder.and_(builder.lshr(packed, ir.Constant(vb, [4] * _VL)), low4)
+                for nibbles, base in ((lo, x0), (hi, builder.add(x0, half_v))):
+                    dst = builder.gep(o.data, [builder.add(base, k)], inbounds=True)
+                    builder.store(builder.call(pshufb, [table, nibbles]), builder.bitcast(dst, vb.as_pointer()), align=1)
         return context.get_dummy_value()
 
     return sig, codegen

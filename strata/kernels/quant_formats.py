@@ -92,3 +92,20 @@ def quantize_activations_ref(x: torch.Tensor, group_size: int) -> torch.Tensor:
     scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
     q = torch.round(xg * (1.0 / scale)).clamp_(-127, 127)
     return (q * scale).reshape(rows, n_in)
+
+
+def requantize_int4_ref(qweight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int8 weight [out, in] and per-row scale [out] the W8A8 prefill multiplies an int4 weight
+    by (kernels/cpu_w8a8.py): per row S = max|scale| * 8 / 127 (1 for an all-zero row), each
+    group's ratio scale / S in 16.16 fixed point f (rounded half to even), and a nibble q becomes
+    ((q - 8) * f + 2^15) >> 16 (rounded half up). |int8 * S - (q - 8) * scale| <= S / 2 (+ the
+    fixed point's 2^-17 of a step): at most half a step of the row's int8 grid, the rounding int8
+    weights have themselves."""
+    n_out, ng = scale.shape
+    s = scale.to(torch.float32)
+    row = s.abs().amax(dim=1) * torch.tensor(8.0 / 127.0, dtype=torch.float32)
+    row = torch.where(row > 0, row, torch.ones_like(row))
+    fixed = torch.round(s * (1.0 / row)[:, None] * 65536.0).to(torch.int64)
+    packed = qweight.view(n_out, ng, -1)
+    q = torch.cat(((packed & 15), (packed >> 4)), dim=2).to(torch.int64) - 8
+    return ((q * fixed[..., None] + 32768) >> 16).to(torch.int8).view(n_out, -1), row

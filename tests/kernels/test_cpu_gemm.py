@@ -107,6 +107,22 @@ def test_int8_prefill_gemm_by_measurement_and_switches(monkeypatch):
     assert path == "bf16" and "STRATA_INT8_FP32_ACTIVATIONS" in why
 
 
+@pytest.mark.skipif(not (cpu_quant.available() and hasattr(torch, "_int_mm")), reason="needs numba and torch._int_mm")
+def test_int4_prefill_gemm_is_w8a8_by_default_where_it_measures_faster(monkeypatch):
+    from strata.kernels import cpu_simd
+
+    fast = _profile({"float32": 200.0, "float32_onednn": 450.0, "bfloat16": 400.0, "int8_int8": 800.0})
+    path, why = dtype_policy.int8_prefill_gemm(fast, "bf16", "int4")
+    assert path == ("int8" if cpu_simd.has_ssse3() else "bf16") and "int4" in why
+    slow = _profile({"float32": 200.0, "bfloat16": 400.0, "int8_int8": 420.0})
+    assert dtype_policy.int8_prefill_gemm(slow, "bf16", "int4")[0] == "bf16"
+    for env, value in (("STRATA_INT4_PREFILL", "dequant"), ("STRATA_INT4_FP32_ACTIVATIONS", "1"),
+                       ("STRATA_PREFILL_GEMM", "bf16")):
+        with monkeypatch.context() as m:
+            m.setenv(env, value)
+            assert dtype_policy.int8_prefill_gemm(fast, "bf16", "int4")[0] == "bf16"
+
+
 def test_mark_gives_int8_weights_their_path_and_fallback():
     q8 = nn.Module()
     q8.qweight, q8.method = torch.zeros(4, 4, dtype=torch.int8), "int8"
@@ -116,6 +132,8 @@ def test_mark_gives_int8_weights_their_path_and_fallback():
     assert cpu_gemm.mark(model, "aten", "bf16", "int8") == 2
     assert (cpu_gemm.path_of(q8), cpu_gemm.fallback_of(q8)) == ("int8", "bf16")
     assert (cpu_gemm.path_of(q4), cpu_gemm.fallback_of(q4)) == ("bf16", "bf16")
+    assert cpu_gemm.mark(model, "aten", "bf16", "bf16", "int8") == 2  # int4 on W8A8, int8 not
+    assert (cpu_gemm.path_of(q8), cpu_gemm.path_of(q4), cpu_gemm.fallback_of(q4)) == ("bf16", "int8", "bf16")
     with pytest.raises(ValueError, match="int8 or the narrow path"):
         cpu_gemm.mark(model, "aten", "bf16", "onednn")
 

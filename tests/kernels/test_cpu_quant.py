@@ -4,7 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from strata.kernels import cpu_quant, quant_formats
+from strata.errors import ConfigError
+from strata.kernels import cpu_quant, cpu_w8a8, quant_formats
 from strata.kernels.linear import quant_linear, quant_swiglu
 
 needs_numba = pytest.mark.skipif(not cpu_quant.available(), reason="numba not installed")
@@ -288,6 +289,86 @@ def test_w8a8_prefill_refuses_outlier_rows_and_obeys_the_switch(w8a8, monkeypatc
             assert not cpu_quant.int8_prefill_enabled()
             torch.testing.assert_close(cpu_quant.matmul("int8", x, q.qweight, q.scale, 0, None, "int8", "aten"),
                                        plain, rtol=0, atol=0)
+
+
+needs_int4_prefill = pytest.mark.skipif(not (cpu_quant.available() and hasattr(torch, "_int_mm")
+                                             and cpu_w8a8.prefill_enabled("int4")),
+                                        reason="needs numba, torch._int_mm and SSSE3")
+
+
+@needs_int4_prefill
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("shape", [(1, 128), (37, 384), (301, 256)])
+def test_int4_requantised_to_int8_matches_its_twin(group, shape):
+    """The per-call int4 -> int8 requantisation is requantize_int4_ref bit for bit (negative group
+    scales, an all-zero row included) and stays within half a step of the row's int8 grid of the
+    int4 weight."""
+    w = torch.randn(*shape, generator=torch.Generator().manual_seed(shape[0] + group)) * 3
+    w[0, : group // 2] = 0.0
+    if shape[0] > 2:
+        w[2] = 0.0
+    q, s = quant_formats.quantize_int4(w, group)
+    w8, s8 = cpu_w8a8.requantize_int4(q.numpy(), s.numpy(), group)
+    ref8, refs = quant_formats.requantize_int4_ref(q, s)
+    assert torch.equal(torch.from_numpy(w8.copy()), ref8) and torch.equal(torch.from_numpy(s8), refs)
+    err = (quant_formats.dequantize_int8_ref(ref8, refs) - quant_formats.dequantize_int4_ref(q, s)).abs()
+    assert (err <= refs[:, None] * (0.5 + 1e-3)).all()
+
+
+@needs_int4_prefill
+@pytest.mark.parametrize("rows, shape, group", [(17, (300, 1024), 64), (40, (77, 256), 128), (64, (1536, 576), 64),
+                                               (129, (5, 64), 32)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_int4_w8a8_prefill_matches_its_twin(rows, shape, group, bias):
+    """Path "int8" for int4 weights (on by default): per-row int8 activations x the requantised
+    int8 weight equal their twin, and stay within 2% of the largest output of the exact int4
+    (fp32-activation) product, a small part of the int4 rounding itself."""
+    g = torch.Generator().manual_seed(rows + shape[1])
+    w, x = torch.randn(*shape, generator=g), torch.randn(rows, shape[1], generator=g)
+    x[3] = 0.0
+    b = torch.randn(shape[0], generator=g) if bias else None
+    q = _Q(w, "int4", group)
+    w8, s8 = quant_formats.requantize_int4_ref(q.qweight, q.scale)
+    twin = F.linear(quant_formats.quantize_activations_ref(x, shape[1]), quant_formats.dequantize_int8_ref(w8, s8), b)
+    exact = F.linear(x, q.dequantize(), b)
+    got = cpu_quant.matmul("int4", x, q.qweight, q.scale, q.group_size, b, "int8", "aten")
+    torch.testing.assert_close(got, twin, **_tol(shape[1]))
+    assert (got - exact).abs().max() <= 0.02 * exact.abs().max()
+    if shape[0] > 200:  # the int4 weight's own error, for scale: many times the W8A8 path's
+        assert (exact - F.linear(x, w, b)).norm() > 4 * (got - exact).norm()
+
+
+@needs_int4_prefill
+def test_int4_w8a8_prefill_refuses_outlier_rows_and_obeys_the_switches(monkeypatch):
+    """A row with max|x| above INT4_PREFILL_MAX_RATIO x its rms is computed by the decode kernel (a
+    few) or the fallback path (many), bit for bit, the other rows keep their W8A8 numbers;
+    STRATA_INT4_PREFILL=dequant or STRATA_INT4_FP32_ACTIVATIONS=1 sends everything down the
+    fallback path, and an unknown STRATA_INT4_PREFILL is refused by name."""
+    g = torch.Generator().manual_seed(6)
+    w, x = torch.randn(96, 512, generator=g), torch.randn(40, 512, generator=g)
+    q = _Q(w, "int4")
+    w8a8 = cpu_quant.matmul("int4", x, q.qweight, q.scale, 64, None, "int8", "aten")
+    plain = cpu_quant.matmul("int4", x, q.qweight, q.scale, 64, None, "aten")
+    assert not torch.equal(w8a8, plain)
+    for spikes in ([7], list(range(0, 40, 2)), list(range(40))):  # one row; more than MAX_ROWS; all
+        spiky = x.clone()
+        for r in spikes:
+            spiky[r, 11] = 30.0 * spiky[r].pow(2).mean().sqrt()
+        got = cpu_quant.matmul("int4", spiky, q.qweight, q.scale, 64, None, "int8", "aten")
+        other = cpu_quant.gemv("int4", spiky[spikes], q.qweight, q.scale, 64) if len(spikes) <= cpu_quant.MAX_ROWS \
+            else cpu_quant.matmul("int4", spiky[spikes], q.qweight, q.scale, 64, None, "aten")
+        torch.testing.assert_close(got[spikes], other, rtol=0, atol=0)
+        kept = [r for r in range(40) if r not in spikes]
+        torch.testing.assert_close(got[kept], w8a8[kept], rtol=0, atol=0)
+    for env, value in (("STRATA_INT4_FP32_ACTIVATIONS", "1"), (cpu_quant.INT4_PREFILL_ENV, "dequant")):
+        with monkeypatch.context() as m:
+            m.setenv(env, value)
+            assert not cpu_w8a8.prefill_enabled("int4")
+            torch.testing.assert_close(cpu_quant.matmul("int4", x, q.qweight, q.scale, 64, None, "int8", "aten"),
+                                       plain, rtol=0, atol=0)
+    monkeypatch.setenv(cpu_quant.INT4_PREFILL_ENV, "fast")
+    with pytest.raises(ConfigError, match="STRATA_INT4_PREFILL='fast'.*choose w8a8"):
+        cpu_quant.matmul("int4", x, q.qweight, q.scale, 64, None, "int8", "aten")
 
 
 @needs_numba
