@@ -28,6 +28,7 @@ step time spent outside any operator (host overhead); see strata/kernels/profile
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 
 import numpy as np
@@ -53,6 +54,7 @@ from strata.bench.common import (
     warm_capture,
     write_json,
 )
+from strata.engine.sampling_params import RequestOutputKind
 from strata.errors import ConfigError, StrataError
 from strata.text_table import print_table
 
@@ -234,7 +236,9 @@ def main(args: argparse.Namespace) -> int:
         from strata.kernels.profile import profile_decode
 
         again = random_prompts(np.random.default_rng(args.seed + 1000), vocab, [args.input_len] * args.batch, avoid)
-        report = profile_decode(eng, again, sampling_params(args, args.output_len), top=5, trace=args.trace)
+        # the engine's steps as the timed runs' LLM.generate drives them: final outputs only
+        params = dataclasses.replace(sampling_params(args, args.output_len), output_kind=RequestOutputKind.FINAL_ONLY)
+        report = profile_decode(eng, again, params, top=5, trace=args.trace)
         report.unprofiled_step_ms = results["strata"]["ms_per_step"]
         results["strata"]["profile"] = report.to_dict()
 

@@ -67,7 +67,6 @@ class SequenceLifecycle:
             stop = seq.output_text.add(token, n_out, reason is not None)
             if stop is not None:
                 reason, stop_reason = "stop", stop
-            seq.text = seq.output_text.text
         if reason is None:
             return False
         seq.finish_reason, seq.stop_reason = reason, stop_reason

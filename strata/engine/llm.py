@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence as Seq
 from typing import Any
@@ -12,7 +13,7 @@ from strata.config import EngineConfig
 from strata.engine.llm_engine import LLMEngine
 from strata.engine.llm_kwargs import engine_kwargs
 from strata.engine.request import RequestOutput
-from strata.engine.sampling_params import SamplingParams
+from strata.engine.sampling_params import RequestOutputKind, SamplingParams
 from strata.errors import RequestError
 
 logger = logging.getLogger(__name__)
@@ -96,6 +97,8 @@ class LLM:
                 )
         batch = []
         for i, (prompt, p) in enumerate(zip(items, params)):
+            if isinstance(p, SamplingParams):  # only final outputs are read (as vLLM's LLM asks)
+                p = dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
             text, ids = self._to_ids(i, prompt)
             self.engine.validate(i, ids, p)
             batch.append((text, ids, p))

@@ -20,7 +20,7 @@ from strata.engine.grammar import GrammarMasks
 from strata.engine.parallel import STOP, RankDied, encode_step
 from strata.engine.request import CompletionOutput, Request, RequestOutput, SeqStatus
 from strata.engine.sampler import SamplerOutput
-from strata.engine.sampling_params import SamplingParams
+from strata.engine.sampling_params import RequestOutputKind, SamplingParams
 from strata.errors import RequestError
 from strata.graph import cpu_decode
 from strata.memory.blocks import KVUsage
@@ -232,6 +232,8 @@ class LLMEngine:
             if req.finished:
                 req.timeline.finished = time.time()
                 self.requests.pop(req.request_id, None)
+            elif req.params.output_kind is RequestOutputKind.FINAL_ONLY:
+                continue
             outputs.append(self._output(req))
         return outputs
 
@@ -314,7 +316,8 @@ class LLMEngine:
             prompt_token_ids=req.prompt_token_ids,
             outputs=[
                 CompletionOutput(
-                    index=s.index, text=s.text, token_ids=list(s.output_token_ids),
+                    index=s.index, text="" if s.output_text is None else s.output_text.text,
+                    token_ids=list(s.output_token_ids),
                     finish_reason=s.finish_reason, stop_reason=s.stop_reason,
                     logprobs=list(s.logprobs) if req.params.logprobs is not None else None,
                 )

@@ -34,7 +34,6 @@ class Sequence:
         self.status = SeqStatus.WAITING
         self.logprobs: list[dict[int, float]] = []
         self.output_text: Any = None  # engine/output_text.OutputText when the engine detokenises
-        self.text = ""  # text returned so far (stop strings trimmed)
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0

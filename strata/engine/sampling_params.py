@@ -8,6 +8,7 @@ finite numbers; the limits below are the documented bounds.
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass, field
 
@@ -44,6 +45,17 @@ def _show(v: object) -> str:
         v = [x if not is_int(x) or x.bit_length() <= 256 else _show(x) for x in v[:20]]
     text = repr(v)
     return text if len(text) <= 200 else text[:200] + "..."
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What the engine returns for a request as it runs (vLLM's names): CUMULATIVE, an output
+    after every step with all text and tokens so far; FINAL_ONLY, one output when it finishes
+    (LLM.generate asks for it: it reads nothing else, and a sequence without stop strings is then
+    detokenised once, at its end, instead of token by token). DELTA is not implemented."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
@@ -115,6 +127,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured: StructuredOutput | None = None  # constrained decoding (engine/grammar.py)
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # FINAL_ONLY: LLM.generate's
 
     def __post_init__(self) -> None:
         # Normalise only; never raise here, so a bad value is reported by validate() with the
@@ -126,6 +139,8 @@ class SamplingParams:
         elif isinstance(self.stop, list | tuple):
             self.stop = list(self.stop)
         self.structured = _structured(self.structured)
+        if is_int(self.output_kind) and self.output_kind in (0, 1, 2):  # an int from a msgpack message
+            self.output_kind = RequestOutputKind(self.output_kind)
         if self.stop_token_ids is None:
             self.stop_token_ids = []
         elif isinstance(self.stop_token_ids, list | tuple):
@@ -183,6 +198,11 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "must be true or false")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise bad("output_kind", "must be RequestOutputKind.CUMULATIVE or FINAL_ONLY")
+        if self.output_kind is RequestOutputKind.DELTA:
+            raise RequestError(f"request {index}: output_kind DELTA is not implemented; use CUMULATIVE (every "
+                               "output carries the text so far) or FINAL_ONLY", param="output_kind")
         if self.structured is not None:
             if not isinstance(self.structured, StructuredOutput):
                 raise bad("structured", "must be a StructuredOutput (or a dict of its fields: "

@@ -334,6 +334,22 @@ class IncrementalDetokenizer:
         self._ids.append(token_id)
         if token_id in self._byte_ids:
             return ""  # the run of byte tokens is still open; its text depends on what follows
+        return self._emit()
+
+    def extend(self, token_ids: Sequence[int]) -> str:
+        """add() for several ids with one decode: the same text as adding them one by one (the
+        decoder's output depends only on nearby tokens, as add() already assumes), for a caller
+        that needs no text in between (engine/output_text.py, output_kind FINAL_ONLY)."""
+        kept = [t for t in map(int, token_ids) if self._kept(t)]
+        if not kept:
+            return ""
+        self._ids.extend(kept)
+        if kept[-1] in self._byte_ids:
+            return ""
+        return self._emit()
+
+    def _emit(self) -> str:
+        """Decode the window and emit what is new (up to an unfinished character)."""
         text = self._decode(self._ids)
         end = len(text) - 1 if text.endswith(REPLACEMENT_CHAR) else len(text)
         delta = ""

@@ -300,6 +300,63 @@ def test_streamed_text_is_never_retracted(text_model, llm_factory, engine_clean)
     engine_clean(llm)
 
 
+def _run_engine(eng, tok, prompt: str, params: SamplingParams, rid: str, abort_after: int | None = None):
+    """Every output engine.step() returns for one request (or abort()'s, after `abort_after` steps)."""
+    eng.add_request(rid, prompt, tok.encode(prompt), params)
+    outs, steps = [], 0
+    while eng.has_unfinished():
+        if abort_after is not None and steps == abort_after:
+            return outs + [eng.abort(rid)]
+        outs += [o for o in eng.step() if o.request_id == rid]
+        steps += 1
+    return outs
+
+
+@pytest.mark.parametrize("model_name", ["text_model", "byte_fallback_model"])
+def test_final_only_returns_one_output_with_the_cumulative_text(model_name, request, llm_factory, engine_clean):
+    """output_kind FINAL_ONLY (what LLM.generate asks for): engine.step() returns nothing for the
+    request until it finishes, then the text, tokens and finish reason a CUMULATIVE run ends with,
+    n=2 and stop strings included; an abort returns the text so far, as a CUMULATIVE step's."""
+    from strata.engine.sampling_params import RequestOutputKind
+
+    llm = llm_factory(request.getfixturevalue(model_name))
+    eng, tok = llm.engine, llm.get_tokenizer()
+    prompt = "The quick brown fox"
+    full = _greedy_text(llm, prompt, 40)
+    stop = _spanning_stop(tok, full.token_ids)[0] if model_name == "text_model" else None
+    for i, kw in enumerate([dict(temperature=0), dict(temperature=0, stop=[stop] if stop else ["zz"]),
+                            dict(temperature=0.8, seed=3, n=2), dict(temperature=0, skip_special_tokens=False)]):
+        cumulative = SamplingParams(max_tokens=40, ignore_eos=True, **kw)
+        final = SamplingParams(max_tokens=40, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY, **kw)
+        a = _run_engine(eng, tok, prompt, cumulative, f"c{i}")
+        b = _run_engine(eng, tok, prompt, final, f"f{i}")
+        assert len(a) > 1 and len(b) == 1 and b[0].finished
+        for x, y in zip(a[-1].outputs, b[0].outputs, strict=True):
+            assert (y.text, y.token_ids, y.finish_reason, y.stop_reason) == \
+                (x.text, x.token_ids, x.finish_reason, x.stop_reason)
+        if "seed" not in kw:
+            a = _run_engine(eng, tok, prompt, cumulative, f"ca{i}", abort_after=6)
+            b = _run_engine(eng, tok, prompt, final, f"fa{i}", abort_after=6)
+            assert len(b) == 1 and b[0].outputs[0].text == a[-1].outputs[0].text
+            assert b[0].outputs[0].token_ids == a[-1].outputs[0].token_ids
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    engine_run = _run_engine(eng, tok, prompt, greedy, "greedy")[-1].outputs[0]
+    assert llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].text == engine_run.text == full.text
+    assert greedy.output_kind is RequestOutputKind.CUMULATIVE  # the caller's params are left as given
+    engine_clean(llm)
+
+
+def test_output_kind_delta_is_refused_and_ints_are_taken():
+    from strata.engine.sampling_params import RequestOutputKind
+    from strata.errors import RequestError
+
+    with pytest.raises(RequestError, match="output_kind DELTA is not implemented; use CUMULATIVE"):
+        SamplingParams(output_kind=RequestOutputKind.DELTA).validate()
+    assert SamplingParams(output_kind=2).output_kind is RequestOutputKind.FINAL_ONLY  # from a msgpack message
+    with pytest.raises(RequestError, match="output_kind must be RequestOutputKind"):
+        SamplingParams(output_kind="final").validate()
+
+
 def _is_ascii_byte_token(tok_id: int) -> bool:
     return 3 <= tok_id < 3 + 0x80  # <0x00>..<0x7F> in the byte-fallback fixture
 

@@ -284,6 +284,32 @@ def test_detokenizer_byte_fallback_equals_decode(name: str, data: st.DataObject,
         assert not any(FFFD in d for d in deltas)
 
 
+def _extended(tok: Tokenizer, prompt: list[int], output: list[int], skip: bool, cuts: list[int]) -> str:
+    """The text of `output` fed to extend() in chunks ending at `cuts`, then flushed."""
+    detok = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip)
+    start = 0
+    for end in [*sorted(set(cuts)), len(output)]:
+        detok.extend(output[start:end])
+        start = max(start, end)
+    detok.flush()
+    return detok.text
+
+
+@HYPOTHESIS
+@given(data=st.data(), skip=st.booleans())
+def test_extend_in_chunks_equals_adding_one_by_one(demo: Tokenizer, data: st.DataObject, skip: bool) -> None:
+    """extend() (one decode per chunk: output_kind FINAL_ONLY) gives the text of add() per token,
+    byte-level and byte-fallback tokenizers, whatever the chunks, special and split-UTF-8 ids."""
+    for tok, interesting in ((demo, _demo_interesting(demo)),
+                             *((t, list(range(3, 3 + 256)) + [1, 2, t.vocab_size + 7]) for t in SPM.values())):
+        ids = _ids(tok, interesting)
+        prompt = data.draw(st.lists(ids, max_size=8), label="prompt")
+        output = data.draw(st.lists(ids, max_size=40), label="output")
+        cuts = data.draw(st.lists(st.integers(0, len(output)), max_size=4), label="cuts")
+        deltas, tail = _stream(tok, prompt, output, skip)
+        assert _extended(tok, prompt, output, skip, cuts) == "".join(deltas) + tail
+
+
 def test_emoji_split_over_byte_tokens_never_streams_fffd(demo: Tokenizer) -> None:
     text = "Parrot 🦜 in 東京!"
     output = demo.encode(text, add_special_tokens=False)
