@@ -17,7 +17,7 @@ overhead was a seventh of the engine's (smol-135m int8 batch 1 on a Zen 5: 0.046
 vs 0.35 ms profiled), so short steps were predicted 10-16% too fast.
 
 Multi-step decode (engine/multi_step.py) pays part of that once per scheduler call: the engines
-are timed at one step per call and again at multi_step.MAX_STEPS (each later step also after the
+are timed at one step per call and again at MULTI_STEPS per call (each later step also after the
 eviction read, untimed: in a real run the weights stream between them too), and `at` takes the
 per-step overhead at K steps per call as a + b/K through those two points; `steps_per_call` is the
 count the engine's automatic rule picks for a step of a given length.
@@ -42,11 +42,13 @@ from strata.config import cache_root
 logger = logging.getLogger(__name__)
 
 SCHEMA = 4  # 2: residuals after the decode probe's kernel times (plan.py); 3: timed with cold caches;
-# 4: per-step overhead at multi_step.MAX_STEPS steps per call too
+# 4: per-step overhead at MULTI_STEPS (8) steps per call too
 DEPTHS = (2, 10)
 BATCHES = (1, 16, 64)
 PROMPT_LEN = 32
 DECODE_STEPS = 24
+# steps per call of the multi-step timing: the two points a + b/K goes through are K = 1 and this
+MULTI_STEPS = 8
 SHAPE = {  # tiny: ~0.1 MB of weights per layer, L2-resident; only the fixed costs remain
     "architectures": ["LlamaForCausalLM"], "model_type": "llama",
     "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -67,7 +69,7 @@ class StepOverhead:
     device: str
     dtype: str
     quantization: str | None
-    # per decode step at multi_step.MAX_STEPS steps per scheduler call (CPU; None: not measured)
+    # per decode step at MULTI_STEPS steps per scheduler call (CPU; None: not measured)
     per_step_multi_s: list[float] | None = None
 
     def at(self, batch: int, layers: int, steps: int = 1) -> float:
@@ -76,9 +78,7 @@ class StepOverhead:
         one = _interp(self.batches, self.per_step_s, batch)
         per_step = one
         if steps > 1 and self.per_step_multi_s:
-            from strata.engine.multi_step import MAX_STEPS
-
-            b = (one - _interp(self.batches, self.per_step_multi_s, batch)) / (1 - 1 / MAX_STEPS)
+            b = (one - _interp(self.batches, self.per_step_multi_s, batch)) / (1 - 1 / MULTI_STEPS)
             per_step = one - b + b / steps
         return max(0.0, per_step + layers * _interp(self.batches, self.per_layer_s, batch))
 
@@ -214,7 +214,6 @@ def measure_overhead(
     own prediction of the bytes-and-FLOPs part, subtracted from each measured step."""
     from strata.config import EngineConfig
     from strata.engine.llm_engine import LLMEngine
-    from strata.engine.multi_step import MAX_STEPS
     from strata.model_config import ModelConfig
 
     dname = str(dtype).replace("torch.", "")
@@ -241,16 +240,16 @@ def measure_overhead(
                 measured[f"layers={layers},batch={batch}{label}"] = sec
                 residual[layers, batch, cold] = sec - kernels
             if multi and layers == DEPTHS[0]:
-                engine.scheduler.lookahead = MAX_STEPS
+                engine.scheduler.lookahead = MULTI_STEPS
                 sec = statistics.fmean(_decode_step_seconds(engine, batch, evict)[1] for _ in range(2))
                 engine.scheduler.lookahead = 1
-                measured[f"layers={layers},batch={batch},steps={MAX_STEPS}"] = sec
-                residual[layers, batch, MAX_STEPS] = sec - kernels
+                measured[f"layers={layers},batch={batch},steps={MULTI_STEPS}"] = sec
+                residual[layers, batch, MULTI_STEPS] = sec - kernels
         del engine
     lo, hi = DEPTHS
     per_layer = [max(0.0, (residual[hi, b, False] - residual[lo, b, False]) / (hi - lo)) for b in BATCHES]
     per_step = [max(0.0, residual[lo, b, True] - lo * pl) for b, pl in zip(BATCHES, per_layer)]
-    per_step_multi = [max(0.0, residual[lo, b, MAX_STEPS] - lo * pl) for b, pl in zip(BATCHES, per_layer)] \
+    per_step_multi = [max(0.0, residual[lo, b, MULTI_STEPS] - lo * pl) for b, pl in zip(BATCHES, per_layer)] \
         if multi else None
     logger.info("step overhead measured in %.1f s: per step %s ms, per layer %s ms (batches %s)",
                 time.perf_counter() - t0, [f"{x * 1e3:.2f}" for x in per_step],
