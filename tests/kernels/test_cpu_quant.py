@@ -267,27 +267,36 @@ def test_w8a8_prefill_refuses_outlier_rows_and_obeys_the_switch(w8a8, monkeypatc
     (a few such rows) or the fallback path (many), bit for bit, and the other rows keep their W8A8
     numbers; STRATA_INT8_FP32_ACTIVATIONS=1 or no STRATA_INT8_PREFILL=w8a8 sends everything down
     the fallback path."""
+    _check_w8a8_refusals_and_switches(
+        monkeypatch, "int8", 0, 50.0, (("STRATA_INT8_FP32_ACTIVATIONS", "1"), (cpu_quant.INT8_PREFILL_ENV, "")))
+
+
+def _check_w8a8_refusals_and_switches(monkeypatch, method: str, group: int, spike: float, switches) -> None:
+    """Rows with a channel at `spike` x their rms are computed by the decode kernel (a few) or
+    the fallback path (many, all), bit for bit, the others keep their W8A8 numbers; each
+    (env, value) in `switches` sends everything down the fallback path."""
     g = torch.Generator().manual_seed(5)
     w, x = torch.randn(96, 512, generator=g), torch.randn(40, 512, generator=g)
-    q = _Q(w, "int8")
-    w8a8 = cpu_quant.matmul("int8", x, q.qweight, q.scale, 0, None, "int8", "aten")
-    plain = cpu_quant.matmul("int8", x, q.qweight, q.scale, 0, None, "aten")
+    q = _Q(w, method)
+    w8a8 = cpu_quant.matmul(method, x, q.qweight, q.scale, group, None, "int8", "aten")
+    plain = cpu_quant.matmul(method, x, q.qweight, q.scale, group, None, "aten")
     assert not torch.equal(w8a8, plain)
-    for spikes in ([7], list(range(0, 40, 2))):  # one outlier row; more than MAX_ROWS of them
+    for spikes in ([7], list(range(0, 40, 2)), list(range(40))):  # one row; more than MAX_ROWS; all
         spiky = x.clone()
         for r in spikes:
-            spiky[r, 11] = 50.0 * spiky[r].pow(2).mean().sqrt()
-        got = cpu_quant.matmul("int8", spiky, q.qweight, q.scale, 0, None, "int8", "aten")
-        other = cpu_quant.gemv("int8", spiky[spikes], q.qweight, q.scale, 0) if len(spikes) <= cpu_quant.MAX_ROWS \
-            else cpu_quant.matmul("int8", spiky[spikes], q.qweight, q.scale, 0, None, "aten")
+            spiky[r, 11] = spike * spiky[r].pow(2).mean().sqrt()
+        got = cpu_quant.matmul(method, spiky, q.qweight, q.scale, group, None, "int8", "aten")
+        other = cpu_quant.gemv(method, spiky[spikes], q.qweight, q.scale, group) \
+            if len(spikes) <= cpu_quant.MAX_ROWS \
+            else cpu_quant.matmul(method, spiky[spikes], q.qweight, q.scale, group, None, "aten")
         torch.testing.assert_close(got[spikes], other, rtol=0, atol=0)
         kept = [r for r in range(40) if r not in spikes]
         torch.testing.assert_close(got[kept], w8a8[kept], rtol=0, atol=0)
-    for env, value in (("STRATA_INT8_FP32_ACTIVATIONS", "1"), (cpu_quant.INT8_PREFILL_ENV, "")):
+    for env, value in switches:
         with monkeypatch.context() as m:
             m.setenv(env, value)
-            assert not cpu_quant.int8_prefill_enabled()
-            torch.testing.assert_close(cpu_quant.matmul("int8", x, q.qweight, q.scale, 0, None, "int8", "aten"),
+            assert not cpu_w8a8.prefill_enabled(method)
+            torch.testing.assert_close(cpu_quant.matmul(method, x, q.qweight, q.scale, group, None, "int8", "aten"),
                                        plain, rtol=0, atol=0)
 
 
@@ -344,28 +353,10 @@ def test_int4_w8a8_prefill_refuses_outlier_rows_and_obeys_the_switches(monkeypat
     few) or the fallback path (many), bit for bit, the other rows keep their W8A8 numbers;
     STRATA_INT4_PREFILL=dequant or STRATA_INT4_FP32_ACTIVATIONS=1 sends everything down the
     fallback path, and an unknown STRATA_INT4_PREFILL is refused by name."""
-    g = torch.Generator().manual_seed(6)
-    w, x = torch.randn(96, 512, generator=g), torch.randn(40, 512, generator=g)
-    q = _Q(w, "int4")
-    w8a8 = cpu_quant.matmul("int4", x, q.qweight, q.scale, 64, None, "int8", "aten")
-    plain = cpu_quant.matmul("int4", x, q.qweight, q.scale, 64, None, "aten")
-    assert not torch.equal(w8a8, plain)
-    for spikes in ([7], list(range(0, 40, 2)), list(range(40))):  # one row; more than MAX_ROWS; all
-        spiky = x.clone()
-        for r in spikes:
-            spiky[r, 11] = 30.0 * spiky[r].pow(2).mean().sqrt()
-        got = cpu_quant.matmul("int4", spiky, q.qweight, q.scale, 64, None, "int8", "aten")
-        other = cpu_quant.gemv("int4", spiky[spikes], q.qweight, q.scale, 64) if len(spikes) <= cpu_quant.MAX_ROWS \
-            else cpu_quant.matmul("int4", spiky[spikes], q.qweight, q.scale, 64, None, "aten")
-        torch.testing.assert_close(got[spikes], other, rtol=0, atol=0)
-        kept = [r for r in range(40) if r not in spikes]
-        torch.testing.assert_close(got[kept], w8a8[kept], rtol=0, atol=0)
-    for env, value in (("STRATA_INT4_FP32_ACTIVATIONS", "1"), (cpu_quant.INT4_PREFILL_ENV, "dequant")):
-        with monkeypatch.context() as m:
-            m.setenv(env, value)
-            assert not cpu_w8a8.prefill_enabled("int4")
-            torch.testing.assert_close(cpu_quant.matmul("int4", x, q.qweight, q.scale, 64, None, "int8", "aten"),
-                                       plain, rtol=0, atol=0)
+    _check_w8a8_refusals_and_switches(
+        monkeypatch, "int4", 64, 30.0, (("STRATA_INT4_FP32_ACTIVATIONS", "1"), (cpu_quant.INT4_PREFILL_ENV, "dequant")))
+    x = torch.randn(4, 512)
+    q = _Q(torch.randn(96, 512), "int4")
     monkeypatch.setenv(cpu_quant.INT4_PREFILL_ENV, "fast")
     with pytest.raises(ConfigError, match="STRATA_INT4_PREFILL='fast'.*choose w8a8"):
         cpu_quant.matmul("int4", x, q.qweight, q.scale, 64, None, "int8", "aten")
