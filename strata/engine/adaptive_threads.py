@@ -10,7 +10,8 @@ up to the configured count) and keeps whichever had the lower median forward tim
 When: a trial starts as soon as the current count's recent steps run DEGRADED x slower than its
 best recent median (another process arrived), and otherwise on a backing-off period, PERIOD_S
 doubling after every trial that changed nothing up to MAX_PERIOD_S, so a quiet machine pays a
-6-step probe about every half minute, not every 2 s.
+probe about every half minute, not every 2 s; a trial whose first call already runs GIVE_UP x
+slower than the current count is ended there (on a quiet machine: one slow call, not 6+ steps).
 
 What it changes: only the numba kernels' thread cap (kernels/cpu_gemv.set_thread_cap), never
 torch's pool. Those kernels' results do not depend on the thread count (each output row is one
@@ -36,6 +37,11 @@ TRIAL_STEPS = 6
 MIN_CALLS = 3  # multi-step decode: a window also spans this many engine steps (a call's mean is one sample)
 SWITCH_MARGIN = 1.15  # the trial must be this much faster to be kept
 DEGRADED = 1.3  # recent median this much above the best recent median: try another count now
+# A trial whose first call is this much slower per step than the current count's median is given
+# up there: it cannot win, and finishing it cost 6+ slow steps a probe (a 1-thread trial on a quiet
+# 2-core Zen 5 ran qwen-0.5b's batch-16 step ~2x slower; the first ~15 s of an engine, with probes
+# 2 and 4 s apart, ran 8-12% below its later rate).
+GIVE_UP = 1.3
 
 
 def enabled() -> bool:
@@ -57,6 +63,7 @@ class AdaptiveThreads:
         self._forward = None
         self.switches = 0
         self.trials = 0
+        self.given_up = 0  # trials ended after their first call (GIVE_UP)
         cpu_gemv.set_thread_cap(max_threads)
 
     @property
@@ -94,7 +101,11 @@ class AdaptiveThreads:
             del times[0], steps[0]
         full = sum(steps) >= TRIAL_STEPS and len(times) >= MIN_CALLS
         if self.trial is not None:
-            if full:
+            current = self.samples.get(self.current)
+            if len(times) == 1 and current and times[0] > GIVE_UP * statistics.median(current):
+                self.given_up += 1
+                self._end_trial(keep=False)
+            elif full:
                 self._decide()
             return
         if not full:
@@ -120,9 +131,15 @@ class AdaptiveThreads:
         trial, cur = self.trial, self.current
         t_trial = statistics.median(self.samples[trial])
         t_cur = statistics.median(self.samples[cur])
-        if t_trial * SWITCH_MARGIN < t_cur or (trial > cur and t_trial <= t_cur):
+        keep = t_trial * SWITCH_MARGIN < t_cur or (trial > cur and t_trial <= t_cur)
+        if keep:
             logger.info("adaptive threads: %d -> %d decode kernel threads (step %.1f -> %.1f ms)", cur, trial,
                         t_cur * 1e3, t_trial * 1e3)
+        self._end_trial(keep)
+
+    def _end_trial(self, keep: bool) -> None:
+        trial, cur = self.trial, self.current
+        if keep:
             self.current = trial
             self.switches += 1
             self.period = PERIOD_S

@@ -80,6 +80,25 @@ def test_quiet_machine_keeps_the_configured_count_and_probes_rarely(two_threads)
     assert cpu_gemv.thread_cap() in (1, 2)  # at most a TRIAL_STEPS probe in flight
 
 
+def test_a_trial_that_starts_far_slower_is_given_up_after_one_call(two_threads):
+    """On a quiet machine the 1-thread trial's first call is ~2x slower: the trial ends there (one
+    slow call, not TRIAL_STEPS of them) and the probe period still backs off."""
+    clock = two_threads
+    engine = FakeEngine({2: 0.020, 1: 0.040})
+    tuner = AdaptiveThreads(max_threads=2)
+    while tuner.trial is None:
+        clock[0] += 0.1
+        engine.step(tuner)
+    assert cpu_gemv.thread_cap() == 1
+    engine.step(tuner)
+    assert tuner.trial is None and tuner.given_up == 1 and tuner.current == 2 and cpu_gemv.thread_cap() == 2
+    assert tuner.period == 2 * adaptive_threads.PERIOD_S
+    engine.step_s = {2: 0.020, 1: 0.024}  # a trial that is not clearly worse goes on measuring
+    clock[0] += tuner.period + 1
+    _run(engine, tuner, clock, TRIAL_STEPS + 1)  # the current count's window, then a trial call
+    assert tuner.trials == 2 and tuner.trial == 1 and tuner.given_up == 1
+
+
 def test_prefill_steps_are_not_timed(two_threads):
     clock = two_threads
     engine = FakeEngine({2: 0.080, 1: 0.030})
