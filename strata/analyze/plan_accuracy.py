@@ -290,13 +290,13 @@ def main(args: argparse.Namespace) -> int:
             r, done = _rounds(run, args.rounds, f"{model}: strata bench latency, {case}")
             stable = sum(x.stable for x in done)
             errors = [x.error for x in done]
-            ok = abs(r.error) <= target
-            pairs.append(dict(model=model, case=case, unit="ms" if prefill_case else "tok/s",
+            ok, unit = abs(r.error) <= target, "ms" if prefill_case else "tok/s"
+            pairs.append(dict(model=model, case=case, unit=unit,
                               predicted=r.predicted, measured=r.measured, error=r.error, target=target, ok=ok,
                               stream_gbs=r.stream, probe_layer_ms=r.layer_ms, stable_rounds=stable,
                               rounds=[dict(predicted=x.predicted, measured=x.measured, error=x.error,
                                            drift=x.drift, unstable=x.unstable, stable=x.stable) for x in done]))
-            rows.append([model, case, "ms" if prefill_case else "tok/s", r.predicted, r.measured,
+            rows.append([model, case, unit, r.predicted, r.measured,
                          f"{r.error:+.1%}", f"±{target:.0%}", "yes" if ok else "NO",
                          f"{stable}/{len(done)}", f"{min(errors):+.0%}..{max(errors):+.0%}",
                          "-" if r.layer_ms is None else r.layer_ms, r.stream])
