@@ -278,8 +278,14 @@ class LLMEngine:
         if self.ranks is None:
             return self.runner.execute(out)
         try:
+            # a local rank that died while the engine idled is named now, not left to the next
+            # collective to notice (the plan broadcast's wait is not bounded: see parallel.py)
+            self.ranks.check_alive()
             self._control.broadcast_bytes(encode_step(out))
             return self.runner.execute(out)
+        except RankDied as dead:
+            self._fail_all(RankDied(f"{dead}; the engine cannot continue"))
+            raise self._failure from None
         except RuntimeError as e:  # a collective failed: a rank died or hung past comm_timeout
             why = str(e).splitlines()[0] if str(e) else type(e).__name__
             failed = RankDied(f"tensor-parallel step failed ({why}); the engine cannot continue")
@@ -292,6 +298,7 @@ class LLMEngine:
 
     def _fail_all(self, error: Exception) -> None:
         """The ranks are out of step for good: abort everything and close."""
+        logger.error("%s; aborting %d request(s) and closing the ranks", error, len(self.requests))
         for rid in list(self.requests):
             self.abort(rid)
         ranks = self.ranks
@@ -299,7 +306,7 @@ class LLMEngine:
         self.runner = None
         gc.collect()
         with contextlib.suppress(Exception):
-            ranks.close()
+            ranks.close(broken=True)
         self._failure = error
         self.runner = None  # refuses further work (_check_open)
 

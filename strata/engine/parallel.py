@@ -20,6 +20,7 @@ import json
 import logging
 import subprocess
 import sys
+import threading
 from dataclasses import asdict, dataclass, field
 
 import msgspec
@@ -153,8 +154,9 @@ class Ranks:
             if code is not None:
                 raise RankDied(f"tensor-parallel rank {r} exited ({processes_exit(code)})")
 
-    def close(self) -> None:
-        """Stop the spawned ranks (bounded) and leave the world."""
+    def close(self, broken: bool = False) -> None:
+        """Stop the spawned ranks (bounded) and leave the world. After a failure (`broken`) the
+        world's teardown may wait on a dead peer: it gets comm_timeout, then is left behind."""
         for p in self.procs:
             try:
                 p.wait(timeout=10)
@@ -162,7 +164,15 @@ class Ranks:
                 p.kill()
                 p.wait()
         self.procs = []
-        destroy_world()
+        if not broken:
+            destroy_world()
+            return
+        teardown = threading.Thread(target=destroy_world, name="strata-destroy-world", daemon=True)
+        teardown.start()
+        teardown.join(self.config.comm_timeout)
+        if teardown.is_alive():
+            logger.warning("the process group's teardown did not finish in %g s (a dead peer); "
+                           "left behind", self.config.comm_timeout)
 
 
 def processes_exit(code: int) -> str:
