@@ -130,12 +130,17 @@ def _run(cfg: TrainConfig, args: argparse.Namespace) -> int:
               f"{trainer.data.tokens:,} tokens x {trainer.world_size} rank(s); precision "
               f"{trainer.precision.name} ({trainer.precision_reason}); activation checkpointing "
               f"{cfg.activation_checkpointing} ({trainer.num_checkpointed} wrapped)", file=sys.stderr)
-    result = trainer.fit()
-    export = None
-    if args.export and not result.stopped_by_signal:
-        from strata.config import DTYPES
+    clean = False
+    try:
+        result = trainer.fit()
+        export = None
+        if args.export and not result.stopped_by_signal:
+            from strata.config import DTYPES
 
-        export = trainer.export(Path(args.export), DTYPES[args.export_dtype])
+            export = trainer.export(Path(args.export), DTYPES[args.export_dtype])
+        clean = True
+    finally:
+        trainer.close(clean)
     if trainer.rank == 0:
         summary = {"steps": result.steps, "final_loss": result.final_loss, "eval_loss": result.eval_loss,
                    "skipped_steps": result.skipped_steps, "checkpoint": str(result.checkpoint),

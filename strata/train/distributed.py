@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from strata.comm.ddp_hooks import compression_hook
-from strata.comm.world import World, init_world
+from strata.comm.world import World, destroy_world, init_world
 from strata.errors import ConfigError
 from strata.train.config import TrainConfig
 
@@ -86,3 +86,14 @@ def all_mean(value: float, world: World | None, device: str) -> float:
 def barrier(world: World | None) -> None:
     if world is not None:
         dist.barrier()
+
+
+def leave_world(world: World | None, clean: bool) -> None:
+    """Destroy the process group before the interpreter exits: left to exit, torch's teardown of
+    it aborted a rank now and then ("terminate called without an active exception"). After a clean
+    run the ranks meet first, so none leaves while another is still in a collective."""
+    if world is None:
+        return
+    if clean:
+        dist.barrier()
+    destroy_world()

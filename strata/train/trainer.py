@@ -8,6 +8,7 @@ metadata); activation checkpointing and data parallelism are applied from outsid
 from __future__ import annotations
 
 import contextlib
+import gc
 import hashlib
 import logging
 import math
@@ -145,6 +146,16 @@ class Trainer:
         self.skipped_total = 0
         self.skipped_in_row = 0
         self._stop_signal: int | None = None
+
+    def close(self, clean: bool = True) -> None:
+        """Leave the distributed world (the model and optimizer, which hold its groups, go
+        first); `clean` after a finished run, False when a rank failed (no meeting then)."""
+        if self.world is None:
+            return
+        self.module = self.optimizer = self.params = self.lm = None
+        gc.collect()
+        distributed.leave_world(self.world, clean)
+        self.world = None
 
     # ------------------------------------------------------------ helpers
 
