@@ -62,11 +62,33 @@ LATENCY_PAIRS = (
 )
 
 
+# a round's llama.cpp runs before and after Strata's may differ by this factor and still count
+# as one bandwidth level (the dev VM switches between ~45 and ~75 GB/s within tens of seconds)
+STEADY = 1.10
+
+
 def bracketed(before: dict | None, after: dict | None, key: str) -> tuple[float | None, list[float]]:
     """(mean, [values]) of one llama-bench figure measured before and after Strata's run (either
     may be missing)."""
     values = [r[key] for r in (before, after) if r and r.get(key) is not None]
     return (sum(values) / len(values) if values else None), values
+
+
+def steady(runs: list[float] | None) -> bool | None:
+    """Whether llama.cpp's runs before and after Strata's agree within STEADY (the machine's
+    bandwidth level held across the bracket); None when there were not two."""
+    if not runs or len(runs) < 2 or min(runs) <= 0:
+        return None
+    return max(runs) / min(runs) <= STEADY
+
+
+def _round_figures(e: dict) -> dict:
+    got: dict[str, Any] = {f: e.get(f) for f in ("prefill_tps", "decode_tps")}
+    for phase in ("prefill", "decode"):
+        flag = steady(e.get(f"{phase}_tps_runs"))
+        if flag is not None:
+            got[f"{phase}_steady"] = flag
+    return got
 
 
 def median_rounds(per_round: list[dict[str, dict]]) -> dict[str, dict]:
@@ -83,7 +105,7 @@ def median_rounds(per_round: list[dict[str, dict]]) -> dict[str, dict]:
         busy = [e["others_cpu"] for e in entries if e.get("others_cpu") is not None]
         merged["others_cpu"] = max(busy) if busy else None
         if len(per_round) > 1:
-            merged["round_figures"] = [{f: e.get(f) for f in ("prefill_tps", "decode_tps")} for e in entries]
+            merged["round_figures"] = [_round_figures(e) for e in entries]
         out[key] = merged
     return out
 

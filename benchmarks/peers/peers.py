@@ -44,9 +44,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", default=",".join(PARTS), help=f"parts to run, comma-separated ({', '.join(PARTS)})")
     p.add_argument("--shapes", default="smol-135m,qwen-0.5b", help="shapes for the latency part")
-    p.add_argument("--latency-rounds", type=int, default=2,
+    p.add_argument("--latency-rounds", type=int, default=3,
                    help="measure every latency row this many times, round-robin over the precisions; "
-                   "figures are the rounds' medians, ratios show the rounds' range (default %(default)s)")
+                   "figures are the rounds' medians; a ratio is the median over the rounds whose "
+                   "llama.cpp runs before and after Strata's agreed within 10%% (all rounds if none "
+                   "did) and shows their range (default %(default)s)")
     p.add_argument("--load-shapes", default="smol-135m", help="shapes for the throughput and serving parts")
     p.add_argument("--quick", action="store_true",
                    help="tiny workloads, a smoke test; writes the report under the cache, not docs/")

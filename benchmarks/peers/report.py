@@ -69,7 +69,7 @@ def render_markdown(res: dict) -> str:
       "benchmarks/peers/run.sh                    # prepare (cached) + every part; rewrites this page\n"
       "benchmarks/peers/run.sh --quick            # smoke run, tiny workloads; report under the cache\n"
       "benchmarks/peers/run.sh --only latency --shapes qwen-0.5b\n"
-      "benchmarks/peers/run.sh --only latency --latency-rounds 3   # each batch-1 row in 3 rounds (default 2)\n"
+      "benchmarks/peers/run.sh --only latency --latency-rounds 5   # each batch-1 row in 5 rounds (default 3)\n"
       "benchmarks/peers/run.sh --prepare-only     # download, build, convert, verify; no benchmarks\n"
       "benchmarks/peers/run.sh --report-only      # re-render this page from benchmarks/peers/results.json\n"
       "benchmarks/peers/run.sh --help             # shapes, slots, SLO, rates, quiet-machine waiting, retries\n"

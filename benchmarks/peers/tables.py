@@ -57,10 +57,21 @@ LATENCY_ROWS = (
 )
 
 
-def round_ratios(base: dict | None, peer: dict, key: str) -> list[float]:
-    """Strata ÷ peer of one figure in each latency round both rows measured (--latency-rounds)."""
+def _paired_rounds(base: dict | None, peer: dict, key: str) -> list[tuple[float, bool | None]]:
+    """(Strata ÷ peer, whether the peer's bracket was steady) for each latency round both rows
+    measured (--latency-rounds)."""
     pairs = zip((base or {}).get("round_figures") or [], peer.get("round_figures") or [])
-    return [r for b, p in pairs if (r := ratio(b.get(key), p.get(key))) is not None]
+    steady_key = key.replace("_tps", "_steady")
+    return [(r, p.get(steady_key)) for b, p in pairs if (r := ratio(b.get(key), p.get(key))) is not None]
+
+
+def round_ratios(base: dict | None, peer: dict, key: str) -> list[float]:
+    """The rounds' ratios, only the steady rounds' where any round was steady: a round whose
+    peer runs before and after Strata's disagree straddled a bandwidth switch, and its ratio says
+    which level each engine landed on more than which engine is faster."""
+    each = _paired_rounds(base, peer, key)
+    kept = [r for r, ok in each if ok]
+    return kept or [r for r, _ in each]
 
 
 def latency_ratio(base: dict | None, peer: dict, key: str) -> float | None:
@@ -74,9 +85,13 @@ def latency_ratio(base: dict | None, peer: dict, key: str) -> float | None:
 
 def _ratio_cell(base: dict | None, peer: dict, key: str) -> str:
     """latency_ratio, and with several rounds the range the rounds gave."""
-    each = round_ratios(base, peer, key)
+    each, paired = round_ratios(base, peer, key), _paired_rounds(base, peer, key)
     text = fmt_ratio(latency_ratio(base, peer, key))
-    return f"{text} ({min(each):.2f}-{max(each):.2f})" if len(each) > 1 else text
+    if len(each) > 1:
+        text += f" ({min(each):.2f}-{max(each):.2f})"
+    if 0 < len(each) < len(paired):
+        text += f" [{len(each)}/{len(paired)} steady]"
+    return text
 
 
 def latency_table(shape_res: dict[str, dict]) -> str:

@@ -258,3 +258,26 @@ def test_latency_rounds_take_the_median_and_show_the_range():
     single = parts.median_rounds(rounds[:1])
     assert single["llama_f32"]["decode_tps"] == 55.0 and "round_figures" not in single["llama_f32"]
     assert "(" not in tables.latency_table(single).splitlines()[-1].split("|")[6]
+
+
+def test_latency_ratio_counts_only_rounds_whose_peer_bracket_held_steady():
+    parts, tables = _peers("parts"), _peers("tables")
+    assert parts.steady([100.0, 109.0]) is True and parts.steady([99.5, 114.0]) is False
+    assert parts.steady([100.0]) is None and parts.steady(None) is None
+    rounds = [  # round 2's llama.cpp runs straddled a bandwidth switch (99.5 before, 114 after)
+        {"strata_fp32": {"decode_tps": 110.0}, "llama_f32": {"decode_tps": 100.0, "decode_tps_runs": [98.0, 102.0]}},
+        {"strata_fp32": {"decode_tps": 86.0}, "llama_f32": {"decode_tps": 106.75, "decode_tps_runs": [99.5, 114.0]}},
+        {"strata_fp32": {"decode_tps": 120.0}, "llama_f32": {"decode_tps": 100.0, "decode_tps_runs": [100.0, 100.0]}},
+    ]
+    merged = parts.median_rounds(rounds)
+    s, ll = merged["strata_fp32"], merged["llama_f32"]
+    assert [f.get("decode_steady") for f in ll["round_figures"]] == [True, False, True]
+    assert tables.round_ratios(s, ll, "decode_tps") == [1.1, 1.2]
+    assert tables.latency_ratio(s, ll, "decode_tps") == 1.15
+    assert "1.15x (1.10-1.20) [2/3 steady]" in tables.latency_table(merged)
+    # no steady round at all: every round counts, nothing is marked
+    for r in rounds:
+        r["llama_f32"]["decode_tps_runs"] = [90.0, 110.0]
+    merged = parts.median_rounds(rounds)
+    assert tables.round_ratios(merged["strata_fp32"], merged["llama_f32"], "decode_tps") == [1.1, 86.0 / 106.75, 1.2]
+    assert "steady" not in tables.latency_table(merged)
