@@ -284,8 +284,7 @@ class LLMEngine:
             self._control.broadcast_bytes(encode_step(out))
             return self.runner.execute(out)
         except RankDied as dead:
-            self._fail_all(RankDied(f"{dead}; the engine cannot continue"))
-            raise self._failure from None
+            failed = RankDied(f"{dead}; the engine cannot continue")
         except RuntimeError as e:  # a collective failed: a rank died or hung past comm_timeout
             why = str(e).splitlines()[0] if str(e) else type(e).__name__
             failed = RankDied(f"tensor-parallel step failed ({why}); the engine cannot continue")
@@ -293,8 +292,8 @@ class LLMEngine:
                 self.ranks.check_alive()
             except RankDied as dead:
                 failed = RankDied(f"{dead}; the step failed ({why}) and the engine cannot continue")
-            self._fail_all(failed)
-            raise failed from None
+        self._fail_all(failed)
+        raise failed from None
 
     def _fail_all(self, error: Exception) -> None:
         """The ranks are out of step for good: abort everything and close."""
