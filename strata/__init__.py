@@ -13,10 +13,10 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "LLM": "strata.engine.llm",
-    "SamplingParams": "strata.engine.sampling_params",
-    "StructuredOutput": "strata.engine.sampling_params",
-    "RequestOutput": "strata.engine.request",
-    "CompletionOutput": "strata.engine.request",
+    "SamplingParams": "strata.protocol.sampling_params",
+    "StructuredOutput": "strata.protocol.sampling_params",
+    "RequestOutput": "strata.protocol.outputs",
+    "CompletionOutput": "strata.protocol.outputs",
 }
 __all__ = list(_EXPORTS)
 

@@ -6,16 +6,23 @@ import os
 import re
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
-
-import torch
+from typing import Any
 
 from strata.errors import ConfigError
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
+DTYPE_NAMES = ("float32", "bfloat16", "float16")  # the keys of DTYPES
+
+
+def __getattr__(name: str) -> Any:
+    """DTYPES (dtype name -> torch.dtype) is built on first use (PEP 562), so that importing this
+    module does not import torch: the server's front end reads parse_bytes from here."""
+    if name == "DTYPES":
+        import torch
+
+        value = {n: getattr(torch, n) for n in DTYPE_NAMES}
+        globals()["DTYPES"] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def cache_root() -> Path:

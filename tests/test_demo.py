@@ -17,8 +17,8 @@ from safetensors.torch import load_file
 from strata.demo import model as demo_model
 from strata.demo import train_tokenizer
 from strata.demo.model import CHECKPOINT_FILES, demo_model_path
-from strata.engine.tokenizer import Tokenizer
 from strata.errors import ModelLoadError
+from strata.protocol.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +87,7 @@ def test_demo_writes_english_words(demo_path: Path) -> None:
     import re
 
     from strata.engine.llm import LLM
-    from strata.engine.sampling_params import SamplingParams
+    from strata.protocol.sampling_params import SamplingParams
 
     corpus = train_tokenizer.read_corpus(train_tokenizer.CORPUS_DIR)
     vocabulary = set(re.findall(r"[a-z']+", corpus.lower()))

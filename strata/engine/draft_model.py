@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 
 from strata.engine.request import Request, Sequence
-from strata.engine.sampling_params import SamplingParams
 from strata.engine.scheduler import ScheduledSeq, SchedulerOutput
+from strata.protocol.sampling_params import SamplingParams
 
 
 class DraftModelProposer:

@@ -21,7 +21,6 @@ Choices made here (a user can override the first two inside the schema: x-guidan
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -30,88 +29,20 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from strata.engine.sampling_params import StructuredOutput
-from strata.errors import RequestError
+from strata.protocol.sampling_params import StructuredOutput
+
+# JSON_OPTIONS and close_objects are re-exported for bench/structured.py (the command-registry rework's file)
+from strata.protocol.structured import (  # noqa: F401
+    JSON_OPTIONS,
+    close_objects,
+    grammar_text,
+    load_llguidance,
+    unusable,
+)
 
 logger = logging.getLogger(__name__)
 
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 MAX_CACHED_GRAMMARS = 256  # compiled templates kept (LRU); a matcher per sequence is a deep copy
-
-# JSON-schema keywords whose value is a schema, a list of schemas, or a map of name -> schema
-_SCHEMA_KEYS = ("additionalProperties", "items", "not", "if", "then", "else", "contains",
-                "propertyNames", "unevaluatedProperties", "unevaluatedItems", "additionalItems")
-_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-
-
-def close_objects(schema):
-    """A copy of `schema` where every object schema that does not say `additionalProperties`
-    forbids extra properties (walks the keywords that hold schemas, never property names)."""
-    if not isinstance(schema, dict):
-        return schema
-    out = dict(schema)
-    for key in _SCHEMA_KEYS:
-        if isinstance(out.get(key), dict):
-            out[key] = close_objects(out[key])
-    for key in _SCHEMA_LISTS:
-        if isinstance(out.get(key), list):
-            out[key] = [close_objects(s) for s in out[key]]
-    for key in _SCHEMA_MAPS:
-        if isinstance(out.get(key), dict):
-            out[key] = {name: close_objects(s) for name, s in out[key].items()}
-    is_object = out.get("type") == "object" or (isinstance(out.get("type"), list) and "object" in out["type"]) \
-        or ("type" not in out and "properties" in out)
-    if is_object and "additionalProperties" not in out and "patternProperties" not in out \
-            and "unevaluatedProperties" not in out:
-        out["additionalProperties"] = False
-    return out
-
-
-def _llg():
-    try:
-        import llguidance
-    except ImportError as e:  # a declared dependency; only a broken install lacks it
-        raise RequestError(f"structured output needs the llguidance package ({e}); pip install llguidance") from None
-    return llguidance
-
-
-def grammar_text(so: StructuredOutput, param: str = "structured") -> str:
-    """The llguidance grammar (its JSON form) for `so`; RequestError naming `param` if malformed."""
-    M = _llg().LLMatcher
-    if so.json is not None:
-        schema = so.json
-        if isinstance(schema, str):
-            try:
-                schema = json.loads(schema)
-            except ValueError as e:
-                raise RequestError(f"{param}: the JSON schema is not valid JSON: {e}", param=param) from None
-        if not isinstance(schema, dict | bool):
-            raise RequestError(f"{param}: a JSON schema must be an object, got {type(schema).__name__}", param=param)
-        return M.grammar_from_json_schema(close_objects(schema), defaults=JSON_OPTIONS)
-    if so.json_object:
-        return M.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
-    if so.regex is not None:
-        return M.grammar_from_regex(so.regex)
-    if so.choice is not None:
-        return M.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in so.choice))
-    return M.grammar_from_lark(so.grammar)
-
-
-def _unusable(so: StructuredOutput, param: str, error: str) -> RequestError:
-    """llguidance's first line of complaint, under the field the user set."""
-    kind = so.kinds()[0].replace("_", " ")
-    return RequestError(f"{param}: the {kind} cannot be used: {error.strip().splitlines()[0]}", param=param)
-
-
-def check(so: StructuredOutput, param: str = "structured", tokenizer=None) -> str:
-    """Compile-check `so` (no tokenizer needed: the front end calls this); returns the grammar."""
-    so.validate(param)
-    text = grammar_text(so, param)
-    error = _llg().LLMatcher.validate_grammar(text, tokenizer)
-    if error and not error.startswith("WARNING"):
-        raise _unusable(so, param, error)
-    return text
 
 
 class GrammarCompiler:
@@ -130,7 +61,7 @@ class GrammarCompiler:
         """llguidance's view of the vocabulary: built at the first structured request (~ms per
         thousand tokens), with the model's vocabulary size (logit rows may be padded past it)."""
         if self._tokenizer is None:
-            llg = _llg()
+            llg = load_llguidance()
             eos = self.eos_token_ids[0] if len(self.eos_token_ids) == 1 else (self.eos_token_ids or None)
             self._tokenizer = llg.LLTokenizer(self._tokenizer_json, n_vocab=self.vocab_size, eos_token=eos)
         return self._tokenizer
@@ -141,9 +72,9 @@ class GrammarCompiler:
         with self._lock:
             template = self._templates.get(text)
             if template is None:
-                template = _llg().LLMatcher(self.tokenizer, text, log_level=0)
+                template = load_llguidance().LLMatcher(self.tokenizer, text, log_level=0)
                 if template.is_error():
-                    raise _unusable(so, param, template.get_error())
+                    raise unusable(so, param, template.get_error())
                 self._templates[text] = template
                 if len(self._templates) > MAX_CACHED_GRAMMARS:
                     self._templates.popitem(last=False)

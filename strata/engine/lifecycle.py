@@ -32,7 +32,7 @@ class SequenceLifecycle:
     def new_sequence(self, req: Request, index: int) -> Sequence:
         seq = Sequence(next(self._seq_ids), req, index, list(req.prompt_token_ids))
         if self.tokenizer is not None:
-            from strata.engine.output_text import OutputText
+            from strata.protocol.output_text import OutputText
 
             seq.output_text = OutputText(self.tokenizer, req.prompt_token_ids, req.params)
         if req.params.structured is not None:  # the engine checked it compiles (LLMEngine.validate)

@@ -12,9 +12,9 @@ from tqdm.auto import tqdm
 from strata.config import EngineConfig
 from strata.engine.llm_engine import LLMEngine
 from strata.engine.llm_kwargs import engine_kwargs
-from strata.engine.request import RequestOutput
-from strata.engine.sampling_params import RequestOutputKind, SamplingParams
 from strata.errors import RequestError
+from strata.protocol.outputs import RequestOutput
+from strata.protocol.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 

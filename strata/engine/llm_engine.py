@@ -18,12 +18,15 @@ from strata.engine import adaptive_threads, multi_step, speculative
 from strata.engine.build import build_engine
 from strata.engine.grammar import GrammarMasks
 from strata.engine.parallel import STOP, RankDied, encode_step
-from strata.engine.request import CompletionOutput, Request, RequestOutput, SeqStatus
+from strata.engine.request import Request, SeqStatus
 from strata.engine.sampler import SamplerOutput
-from strata.engine.sampling_params import RequestOutputKind, SamplingParams
 from strata.errors import RequestError
 from strata.graph import cpu_decode
 from strata.memory.blocks import KVUsage
+from strata.protocol.outputs import CompletionOutput, RequestOutput
+from strata.protocol.sampling_params import RequestOutputKind, SamplingParams
+from strata.protocol.stats import EngineStats
+from strata.protocol.validation import ModelLimits, validate_request
 
 logger = logging.getLogger(__name__)
 
@@ -127,20 +130,9 @@ class LLMEngine:
 
     def validate(self, index: int, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise RequestError naming the request index; nothing is scheduled on failure."""
-        params.validate(index, self.model_config.vocab_size)
-        if not prompt_ids:
-            raise RequestError(f"request {index}: prompt is empty; give at least one token")
-        if len(prompt_ids) >= self.max_model_len:
-            raise RequestError(
-                f"request {index}: prompt has {len(prompt_ids)} tokens but max_model_len is "
-                f"{self.max_model_len} (room for at least one new token is needed); shorten the "
-                "prompt or raise max_model_len"
-            )
-        vocab = self.model_config.vocab_size
-        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
-            raise RequestError(f"request {index}: prompt token ids must be in [0, {vocab})")
-        if params.logprobs is not None and params.logprobs > vocab:
-            raise RequestError(f"request {index}: logprobs must be <= vocab size {vocab}")
+        limits = ModelLimits(self.model_config.vocab_size, self.max_model_len)
+        validate_request(params, limits, [prompt_ids], index=index)  # the model's limits (protocol/validation.py)
+        # what only the engine can judge:
         if params.prompt_logprobs is not None and self.ranks is not None:
             raise RequestError(f"request {index}: prompt_logprobs is not implemented with tensor parallelism",
                                param="prompt_logprobs")
@@ -343,6 +335,28 @@ class LLMEngine:
         """KV bytes reserved vs owned, cached and free, and the bytes holding live tokens vs the
         waste in partially filled last blocks (see BlockManager.kv_usage)."""
         return self.block_manager.kv_usage(self.scheduler.running, self.plan.kv_bytes_per_token)
+
+    def stats(self) -> EngineStats:
+        """The engine's load and counters now: sequences running / waiting / swapped, KV usage,
+        preemptions, the prefix cache's counters, steps and their phase seconds, speculative
+        decoding's counters (0 without it) and the decode-first prefill cap (0: none)."""
+        sch = self.scheduler
+        usage = self.kv_usage()
+        pc = self.block_manager.stats
+        spec = {}
+        if sch.speculator is not None:
+            st = sch.speculator.stats
+            spec = {"spec_steps": st.steps, "spec_drafted": st.drafted, "spec_accepted": st.accepted,
+                    "spec_emitted": st.emitted}
+        return EngineStats(
+            running=len(sch.running), waiting=len(sch.waiting), swapped=len(sch.swapped),
+            kv_usage=(usage.owned_bytes / usage.reserved_bytes) if usage.reserved_bytes else 0.0,
+            kv_reserved_bytes=usage.reserved_bytes, kv_owned_bytes=usage.owned_bytes,
+            kv_token_bytes=usage.token_bytes, kv_waste_bytes=usage.waste_bytes,
+            preemptions=sch.num_preemptions, prefix_queries=pc.queries, prefix_hits=pc.hits,
+            prefix_evictions=pc.evictions, steps=self.num_steps, stage_seconds=dict(self.stage_seconds),
+            prefill_cap=sch.max_prefill_tokens_while_decoding or 0, **spec,
+        )
 
     def check_blocks(self) -> None:
         """Invariant check for tests: the block manager agrees with every live block table."""

@@ -1,4 +1,5 @@
-"""Requests, their sequences (one per completion), and what the engine returns for them."""
+"""Requests and their sequences (one per completion); what the engine returns for them is
+strata/protocol/outputs.py (RequestOutput), which the server's front end reads too."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from strata.engine.sampling_params import SamplingParams
+from strata.protocol.sampling_params import SamplingParams
 
 
 class SeqStatus(enum.Enum):
@@ -33,7 +34,7 @@ class Sequence:
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at last admission
         self.status = SeqStatus.WAITING
         self.logprobs: list[dict[int, float]] = []
-        self.output_text: Any = None  # engine/output_text.OutputText when the engine detokenises
+        self.output_text: Any = None  # protocol/output_text.OutputText when the engine detokenises
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
@@ -88,29 +89,3 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.forked and all(s.finished for s in self.seqs)
-
-
-@dataclass
-class CompletionOutput:
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
-    stop_reason: int | str | None = None
-    logprobs: list[dict[int, float]] | None = None
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    finished: bool
-    arrival_time: float
-    first_token_time: float | None
-    finished_time: float | None
-    num_preemptions: int = 0
-    first_scheduled_time: float | None = None
-    prompt_logprobs: list[dict[int, float] | None] | None = None  # with SamplingParams.prompt_logprobs
-    token_times: list[float] | None = None  # once finished: when each output token was sampled (time.time())

@@ -24,14 +24,14 @@ import asyncio
 import json
 import logging
 import time
-from dataclasses import dataclass, field
 
 import zmq
 import zmq.asyncio
 
 from strata.errors import StrataError
+from strata.protocol.stats import EngineStats
+from strata.protocol.wire import decode, encode
 from strata.server import procs
-from strata.server.protocol import decode, encode
 
 logger = logging.getLogger(__name__)
 
@@ -46,31 +46,6 @@ POLL_MS = 200  # how long the reader waits on a quiet socket before checking the
 
 class EngineDied(procs.ChildUnavailable):
     pass
-
-
-@dataclass
-class EngineStats:
-    """The engine's latest report (sent with every step, and each second when idle)."""
-
-    running: int = 0
-    waiting: int = 0
-    swapped: int = 0
-    kv_usage: float = 0.0
-    kv_reserved_bytes: int = 0
-    kv_owned_bytes: int = 0
-    kv_token_bytes: int = 0
-    kv_waste_bytes: int = 0
-    preemptions: int = 0
-    prefix_queries: int = 0
-    prefix_hits: int = 0
-    prefix_evictions: int = 0
-    steps: int = 0
-    stage_seconds: dict = field(default_factory=dict)
-    spec_steps: int = 0  # speculative decoding (engine/speculative.SpecStats): sequence-steps verifying
-    spec_drafted: int = 0  # a draft, draft tokens, those accepted, tokens those steps produced
-    spec_accepted: int = 0
-    spec_emitted: int = 0
-    prefill_cap: int = 0  # decode-first: prefill tokens a step may take while sequences decode (0: no cap)
 
 
 class EngineClient:

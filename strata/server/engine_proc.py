@@ -9,6 +9,7 @@ It exits when the front end dies (procs.die_with_parent); the front end restarts
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -21,8 +22,8 @@ import zmq
 
 from strata.engine.parallel import RankDied
 from strata.logs import setup_logging
+from strata.protocol.wire import decode, encode, params_from_dict
 from strata.server import faults, procs
-from strata.server.protocol import decode, encode, params_from_dict
 
 logger = logging.getLogger("strata.server.engine")
 
@@ -110,28 +111,7 @@ class EngineLoop:
         return deltas, done
 
     def stats(self) -> dict:
-        eng = self.engine
-        sch = eng.scheduler
-        usage = eng.kv_usage()
-        pc = eng.block_manager.stats
-        return {
-            "running": len(sch.running), "waiting": len(sch.waiting), "swapped": len(sch.swapped),
-            "kv_usage": (usage.owned_bytes / usage.reserved_bytes) if usage.reserved_bytes else 0.0,
-            "kv_reserved_bytes": usage.reserved_bytes, "kv_owned_bytes": usage.owned_bytes,
-            "kv_token_bytes": usage.token_bytes, "kv_waste_bytes": usage.waste_bytes,
-            "preemptions": sch.num_preemptions, "prefix_queries": pc.queries, "prefix_hits": pc.hits,
-            "prefix_evictions": pc.evictions, "steps": eng.num_steps, "stage_seconds": dict(eng.stage_seconds),
-            "prefill_cap": sch.max_prefill_tokens_while_decoding or 0,
-            **self._spec_stats(),
-        }
-
-    def _spec_stats(self) -> dict:
-        spec = self.engine.scheduler.speculator
-        if spec is None:
-            return {}
-        st = spec.stats
-        return {"spec_steps": st.steps, "spec_drafted": st.drafted, "spec_accepted": st.accepted,
-                "spec_emitted": st.emitted}
+        return dataclasses.asdict(self.engine.stats())  # protocol/stats.EngineStats, as a msgpack map
 
     def run(self) -> None:
         eng = self.engine

@@ -13,10 +13,9 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from strata.engine.output_text import OutputText
-from strata.engine.sampling_params import SamplingParams
-from strata.errors import RequestError
-from strata.server.protocol import params_to_dict
+from strata.protocol.output_text import OutputText
+from strata.protocol.sampling_params import SamplingParams
+from strata.protocol.wire import params_to_dict
 
 
 class EngineRequestFailed(Exception):
@@ -152,16 +151,3 @@ class Generation:
             return None
         return ChoiceDelta(choice.index, text, kept, logprobs, finish, stop_reason, prompt_lps)
 
-
-def check_length(prompt_ids: list[int], max_tokens: int | None, max_model_len: int, index: int = 0) -> None:
-    """400 when the prompt plus the tokens asked for do not fit the model's context."""
-    if not prompt_ids:
-        raise RequestError("prompt is empty; give at least one token", param="prompt")
-    want = len(prompt_ids) + (max_tokens or 1)
-    if want > max_model_len:
-        where = f"prompt {index} " if index else "the prompt "
-        raise RequestError(
-            f"{where}has {len(prompt_ids)} tokens and max_tokens is {max_tokens or 1}: {want} tokens exceed the "
-            f"model's context length ({max_model_len}); shorten the prompt or lower max_tokens",
-            param="max_tokens" if max_tokens else "prompt",
-        )

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from strata.engine.sampling_params import SamplingParams
+from strata.protocol.sampling_params import SamplingParams
 from strata.server.generation import ChoiceDelta, EngineRequestFailed, Generation
 from strata.server.openai_api import error_response
 from strata.server.responses import usage

@@ -158,7 +158,7 @@ async def _first(**aws) -> str:
 
 
 async def _serve(args, kwargs: dict, model_path: str, opts: ServerOptions, layout, sock, ipc: procs.IpcDir) -> int:
-    from strata.engine.tokenizer import Tokenizer
+    from strata.protocol.tokenizer import Tokenizer
     from strata.server.engine_client import EngineClient
     from strata.server.tokenizer_pool import InLoopTokenizer, TokenizerPool
 

@@ -9,8 +9,9 @@ A body is judged in this order, and the first problem is a 400 in the OpenAI err
 3. The pydantic models: strict types (no bool for an int, no "3" for a number, finite floats),
    and no unknown field (extra="forbid"): a field Strata does not know is refused, never ignored.
    `null` means the field's default, as in OpenAI's API.
-4. `SamplingParams.validate` (strata/engine/sampling_params.py): ranges and limits (n <= MAX_N,
-   seed in 64 bits, ...), the same checks the offline API makes.
+4. `validate_request` (strata/protocol/validation.py): SamplingParams' ranges and limits (n <= MAX_N,
+   seed in 64 bits, ...), then the prompts against the model's limits: the same function the
+   offline API and the engine use.
 
 Field policy. Implemented: every field declared on the models below. Accepted and ignored,
 because they cannot change the output: `user`, `metadata`, `store`, `service_tier`,
@@ -41,8 +42,8 @@ from typing import Any, Literal
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from strata.engine.sampling_params import SamplingParams
 from strata.errors import RequestError
+from strata.protocol.sampling_params import SamplingParams
 from strata.server.structured_api import GUIDED, structured_output
 
 MAX_TOP_LOGPROBS_COMPLETIONS = 5  # OpenAI's limits

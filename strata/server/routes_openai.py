@@ -13,11 +13,12 @@ import time
 from fastapi import APIRouter, Request
 from pydantic import ValidationError
 
-from strata.engine import grammar
-from strata.engine.sampling_params import StructuredOutput
 from strata.errors import RequestError
+from strata.protocol import structured
+from strata.protocol.sampling_params import StructuredOutput
+from strata.protocol.validation import ModelLimits, validate_request
 from strata.server import faults
-from strata.server.generation import ChoiceDelta, check_length
+from strata.server.generation import ChoiceDelta
 from strata.server.generation_http import Submission, generate
 from strata.server.openai_api import (
     ChatRequest,
@@ -114,13 +115,13 @@ async def prepare_completion(state: ServerState, req: CompletionRequest) -> Subm
     params = sampling_params(req, state.info.get("generation_defaults", {}), completion_logprobs(req), req.max_tokens)
     if req.echo and req.logprobs is not None:  # the echoed prompt's tokens carry logprobs too
         params.prompt_logprobs = req.logprobs
-    params.validate(0, state.info["vocab_size"])
+    limits = ModelLimits.from_info(state.info)
+    validate_request(params, limits, api=True)  # before tokenizing: bad parameters cost nothing
     texts, prompts, secs = await completion_prompts(state, req)
     for t in texts:
         if t is not None and faults.should_raise(t):
             raise _planted_fault()
-    for i, ids in enumerate(prompts):
-        check_length(ids, params.max_tokens, state.info["max_model_len"], i)
+    validate_request(params, limits, prompts, api=True, ids_from_client=[t is None for t in texts])
     return Submission(prompts, params, secs, CompletionShape(req, state.tokenizer, prompts, texts))
 
 
@@ -135,7 +136,6 @@ async def completion_prompts(state: ServerState, req: CompletionRequest):
         items = list(p)
     if not items:
         raise RequestError("prompt is empty; give text or token ids", param="prompt")
-    vocab = state.info["vocab_size"]
     texts, prompts, secs = [], [], 0.0
     results = await asyncio.gather(*[
         state.tokenizers.run({"kind": "text", "text": x}) for x in items if isinstance(x, str)
@@ -146,9 +146,7 @@ async def completion_prompts(state: ServerState, req: CompletionRequest):
             ids, s = next(it)
             texts.append(x)
             secs += s
-        else:
-            if any(t < 0 or t >= vocab for t in x):
-                raise RequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
+        else:  # checked against the vocabulary by validate_request
             ids = list(x)
             texts.append(None)
         prompts.append(ids)
@@ -159,16 +157,16 @@ async def prepare_chat(state: ServerState, req: ChatRequest) -> Submission:
     messages = chat_messages(req)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = sampling_params(req, state.info.get("generation_defaults", {}), chat_logprobs(req), max_tokens)
-    params.validate(0, state.info["vocab_size"])
+    limits = ModelLimits.from_info(state.info)
+    validate_request(params, limits, api=True)  # before tokenizing: bad parameters cost nothing
     if any(faults.should_raise(str(m.get("content", ""))) for m in messages):
         raise _planted_fault()
     job: dict = {"kind": "chat", "messages": messages}
     parse_format = _tools(state, req, params, job)
     ids, secs = await state.tokenizers.run(job)
     if params.max_tokens is None:  # chat default: the rest of the context
-        params.max_tokens = max(1, state.info["max_model_len"] - len(ids))
-        params.validate(0, state.info["vocab_size"])  # min_tokens against it
-    check_length(ids, params.max_tokens, state.info["max_model_len"])
+        params.max_tokens = max(1, limits.max_model_len - len(ids))  # min_tokens is checked against it
+    validate_request(params, limits, [ids], api=True, ids_from_client=[False])
     return Submission([ids], params, secs, ChatShape(req, state.tokenizer, parse_format))
 
 
@@ -183,14 +181,14 @@ def _tools(state: ServerState, req: ChatRequest, params, job: dict) -> str | Non
         return None
     for i, t in enumerate(tools):  # a schema the grammar engine refuses is a 400 whatever tool_choice says
         if "parameters" in t:
-            grammar.check(StructuredOutput(json=t["parameters"]), f"tools[{i}].function.parameters")
+            structured.check(StructuredOutput(json=t["parameters"]), f"tools[{i}].function.parameters")
     job["tools"] = [{"type": "function", "function": t} for t in tools]
     if forced:
         if params.structured is not None:
             raise RequestError("tool_choice forces a tool call and response_format (or a guided field) constrains the "
                                "output too; give one", param="tool_choice")
         params.structured = forced_call_grammar(fmt, forced, req.parallel_tool_calls is not False)
-        grammar.check(params.structured, "tool_choice")
+        structured.check(params.structured, "tool_choice")
     return None if choice == "none" else fmt
 
 

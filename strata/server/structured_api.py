@@ -4,16 +4,16 @@ OpenAI's `response_format` ({"type": "text" | "json_object" | "json_schema"}), l
 `{"type": "json_object", "schema": {...}}`, and vLLM's `structured_outputs` ({json, regex,
 choice, grammar, json_object}) and older `guided_json` / `guided_regex` / `guided_choice` /
 `guided_grammar`. At most one of them may constrain a request. The grammar is compiled here once
-without a tokenizer (engine/grammar.check), so a bad schema is a 400 before any stream starts.
+without a tokenizer (protocol/structured.check), so a bad schema is a 400 before any stream starts.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from strata.engine import grammar
-from strata.engine.sampling_params import STRUCTURED_KINDS, StructuredOutput
 from strata.errors import RequestError
+from strata.protocol import structured
+from strata.protocol.sampling_params import STRUCTURED_KINDS, StructuredOutput
 
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 _JSON_SCHEMA_KEYS = {"name", "schema", "strict", "description"}
@@ -72,5 +72,5 @@ def structured_output(fields: dict[str, Any]) -> tuple[StructuredOutput | None, 
         names = [param for _, param in found]
         raise RequestError(f"{names[0]} and {names[1]} both constrain the output; give one", param=names[1])
     so, param = found[0]
-    grammar.check(so, param)
+    structured.check(so, param)
     return so, param

@@ -26,8 +26,8 @@ import zmq
 import zmq.asyncio
 
 from strata.errors import RequestError, StrataError
+from strata.protocol.wire import decode, encode
 from strata.server import procs
-from strata.server.protocol import decode, encode
 from strata.server.tokenizer_worker import tokenize
 
 logger = logging.getLogger(__name__)

@@ -19,8 +19,8 @@ import zmq
 
 from strata.errors import StrataError
 from strata.logs import setup_logging
+from strata.protocol.wire import decode, encode
 from strata.server import faults, procs
-from strata.server.protocol import decode, encode
 
 logger = logging.getLogger("strata.server.tokenizer")
 
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cpus:
         os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one core per worker
-    from strata.engine.tokenizer import Tokenizer
+    from strata.protocol.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_dir(args.model, chat_template=args.chat_template)
     ctx = zmq.Context()

@@ -7,7 +7,7 @@ Formats (picked from the chat template, as vLLM's --tool-call-parser names them)
 - `llama3_json` (Llama 3.1+): the whole message is `{"name": ..., "parameters": {...}}`, optionally
   after `<|python_tag|>`; several calls separated by `;`.
 `tool_choice` "required" or a named function is enforced with the structured-output grammar
-(engine/grammar.py): the model can only write a well-formed call whose arguments match the
+(protocol/structured.py, engine/grammar.py): the model can only write a well-formed call whose arguments match the
 function's JSON schema. "auto" lets the model choose and parses what it wrote; "none" parses nothing.
 """
 
@@ -18,9 +18,9 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
-from strata.engine.grammar import JSON_OPTIONS, close_objects
-from strata.engine.sampling_params import StructuredOutput
 from strata.errors import RequestError
+from strata.protocol.sampling_params import StructuredOutput
+from strata.protocol.structured import JSON_OPTIONS, close_objects
 
 HERMES, LLAMA3_JSON = "hermes", "llama3_json"
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"

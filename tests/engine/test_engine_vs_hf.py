@@ -317,7 +317,7 @@ def test_final_only_returns_one_output_with_the_cumulative_text(model_name, requ
     """output_kind FINAL_ONLY (what LLM.generate asks for): engine.step() returns nothing for the
     request until it finishes, then the text, tokens and finish reason a CUMULATIVE run ends with,
     n=2 and stop strings included; an abort returns the text so far, as a CUMULATIVE step's."""
-    from strata.engine.sampling_params import RequestOutputKind
+    from strata.protocol.sampling_params import RequestOutputKind
 
     llm = llm_factory(request.getfixturevalue(model_name))
     eng, tok = llm.engine, llm.get_tokenizer()
@@ -347,8 +347,8 @@ def test_final_only_returns_one_output_with_the_cumulative_text(model_name, requ
 
 
 def test_output_kind_delta_is_refused_and_ints_are_taken():
-    from strata.engine.sampling_params import RequestOutputKind
     from strata.errors import RequestError
+    from strata.protocol.sampling_params import RequestOutputKind
 
     with pytest.raises(RequestError, match="output_kind DELTA is not implemented; use CUMULATIVE"):
         SamplingParams(output_kind=RequestOutputKind.DELTA).validate()

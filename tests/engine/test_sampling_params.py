@@ -11,7 +11,8 @@ import math
 
 import pytest
 
-from strata.engine.sampling_params import (
+from strata.errors import RequestError
+from strata.protocol.sampling_params import (
     INT64_MAX,
     INT64_MIN,
     MAX_N,
@@ -19,7 +20,6 @@ from strata.engine.sampling_params import (
     MIN_DIVISOR,
     SamplingParams,
 )
-from strata.errors import RequestError
 
 VOCAB = 4160
 FLOATS = ["temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"]

@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 from strata.engine.lifecycle import SequenceLifecycle
 from strata.engine.request import Request, SeqStatus, Sequence
 from strata.engine.sampler import SamplerOutput
-from strata.engine.sampling_params import SamplingParams
 from strata.engine.scheduler import Scheduler
 from strata.memory.blocks import BlockManager
+from strata.protocol.sampling_params import SamplingParams
 
 
 class Sim:

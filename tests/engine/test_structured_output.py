@@ -14,9 +14,9 @@ from structured_schemas import object_schemas, schemas
 
 from strata import SamplingParams
 from strata.demo.random_tokenizer import write_tokenizer
-from strata.engine.grammar import close_objects
-from strata.engine.sampling_params import StructuredOutput
 from strata.errors import RequestError
+from strata.protocol.sampling_params import StructuredOutput
+from strata.protocol.structured import close_objects
 
 DEMO_VOCAB = 4160  # the demo tokenizer's: a byte-level BPE that can spell any JSON
 

@@ -13,8 +13,8 @@ from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 
 import strata.demo
-from strata.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from strata.errors import ConfigError, ModelLoadError, RequestError
+from strata.protocol.tokenizer import IncrementalDetokenizer, Tokenizer
 
 DEMO_DIR = Path(strata.demo.__file__).parent
 FFFD = "\ufffd"

@@ -10,8 +10,8 @@ import pytest
 from conftest import make_llm
 
 from strata.engine.llm_kwargs import engine_kwargs
-from strata.engine.tokenizer import Tokenizer, load_chat_template
 from strata.errors import ConfigError
+from strata.protocol.tokenizer import Tokenizer, load_chat_template
 
 TEMPLATE = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}[assistant]"
 

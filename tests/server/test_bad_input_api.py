@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from strata.engine.sampling_params import MAX_N
+from strata.protocol.sampling_params import MAX_N
 from tests.server.serverproc import STARTUP_TIMEOUT, Server, free_port, without_model_label
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"

@@ -116,7 +116,7 @@ def test_streaming_access_line_counts_the_streamed_tokens(served):
 
 def test_chat_template_flag_replaces_the_checkpoints(served):
     from strata.demo.model import demo_model_path
-    from strata.engine.tokenizer import Tokenizer
+    from strata.protocol.tokenizer import Tokenizer
 
     messages = [{"role": "user", "content": "Good morrow"}]
     r = served.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1, "temperature": 0})

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from strata.engine import grammar
 from strata.errors import RequestError
+from strata.protocol import structured
 from strata.server.tool_calls import (
     HERMES,
     LLAMA3_JSON,
@@ -89,4 +89,4 @@ def test_forced_call_grammars_compile(fmt):
     tools = [{"name": "weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}},
              {"name": "time"}]
     for parallel in (True, False):
-        grammar.check(forced_call_grammar(fmt, tools, parallel), "tool_choice")
+        structured.check(forced_call_grammar(fmt, tools, parallel), "tool_choice")

@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from strata.demo.model import demo_model_path
-from strata.engine.tokenizer import Tokenizer
+from strata.protocol.tokenizer import Tokenizer
 from tests.server import tool_templates
 from tests.server.serverproc import start_server
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from strata.engine.sampling_params import SamplingParams
 from strata.hardware.placement import server_layout
-from strata.server.protocol import decode, encode, params_from_dict, params_to_dict
+from strata.protocol.sampling_params import SamplingParams
+from strata.protocol.wire import decode, encode, params_from_dict, params_to_dict
 
 
 def test_layout_without_spare_cores_shares_all_cpus():
@@ -42,7 +42,7 @@ def test_protocol_round_trip_is_msgpack_not_pickle():
 def test_random_model_tokenizer_covers_the_vocabulary(tmp_path):
     from strata.demo.model import demo_model_path
     from strata.demo.random_tokenizer import write_tokenizer
-    from strata.engine.tokenizer import Tokenizer
+    from strata.protocol.tokenizer import Tokenizer
 
     write_tokenizer(tmp_path, 5000)
     tok, demo = Tokenizer.from_dir(tmp_path), Tokenizer.from_dir(demo_model_path())

@@ -14,10 +14,10 @@ pytestmark = [
 ]
 pytest.importorskip("triton.language")
 
-from strata.engine.sampling_params import SamplingParams  # noqa: E402
 from strata.graph.layers import RotaryEmbedding  # noqa: E402
 from strata.kernels import triton as tk  # noqa: E402
 from strata.kernels.attention import resolve_backend  # noqa: E402
+from strata.protocol.sampling_params import SamplingParams  # noqa: E402
 from tests.kernels.triton_kernels.triton_cases import paged_cache  # noqa: E402
 
 DEV = "cuda"

@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from strata.engine.sampling_params import SamplingParams
+from strata.protocol.sampling_params import SamplingParams
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder()

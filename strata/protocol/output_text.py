@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from strata.engine.sampling_params import RequestOutputKind, SamplingParams
-from strata.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from strata.protocol.sampling_params import RequestOutputKind, SamplingParams
+from strata.protocol.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 class OutputText:
