@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 from typing import Any
 
 from strata.errors import ConfigError
+from strata.settings import SETTINGS
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")  # the keys of DTYPES
 
@@ -28,8 +28,7 @@ def __getattr__(name: str) -> Any:
 def cache_root() -> Path:
     """Strata's cache directory (demo model, random checkpoints, hardware profile):
     $STRATA_CACHE, else ~/.cache/strata."""
-    env = os.environ.get("STRATA_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "strata"
+    return SETTINGS.cache or Path.home() / ".cache" / "strata"
 
 _PREFIXES = {"k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
 # every decimal (kB = 1000) and binary (KiB = 1024) unit, any case; a bare prefix is decimal
@@ -84,7 +83,7 @@ class EngineConfig:
     max_prefill_tokens_while_decoding: int | None = None
     # multi-step decode (vLLM's name): up to this many decode steps per scheduler call while every
     # running sequence decodes and nobody waits; None = auto (CPU: as many as fit a 50 ms burst by
-    # the measured step time, engine/multi_step.py; GPU and tensor parallel: 1)
+    # the measured step time, platform/multi_step.py; GPU and tensor parallel: 1)
     num_scheduler_steps: int | None = None
     num_threads: int | None = None
     attention_backend: str = "auto"  # auto | torch | sdpa | cpu | triton

@@ -65,7 +65,7 @@ class StepRecord:
     decode_seqs: int
     decode_context: int  # sum of the decoding sequences' context lengths
     profiled: bool
-    steps: int = 1  # decode steps the scheduler call ran (multi-step decode, engine/multi_step.py)
+    steps: int = 1  # decode steps the scheduler call ran (multi-step decode, platform/multi_step.py)
 
 
 @dataclass

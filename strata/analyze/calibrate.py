@@ -16,7 +16,7 @@ which the decode probe's layer times already hold for the real model). Measured 
 overhead was a seventh of the engine's (smol-135m int8 batch 1 on a Zen 5: 0.046 ms calibrated
 vs 0.35 ms profiled), so short steps were predicted 10-16% too fast.
 
-Multi-step decode (engine/multi_step.py) pays part of that once per scheduler call: the engines
+Multi-step decode (platform/multi_step.py) pays part of that once per scheduler call: the engines
 are timed at one step per call and again at MULTI_STEPS per call (each later step also after the
 eviction read, untimed: in a real run the weights stream between them too), and `at` takes the
 per-step overhead at K steps per call as a + b/K through those two points; `steps_per_call` is the
@@ -83,11 +83,11 @@ class StepOverhead:
         return max(0.0, per_step + layers * _interp(self.batches, self.per_layer_s, batch))
 
     def steps_per_call(self, step_s: float) -> int:
-        """Decode steps per scheduler call the engine picks for steps of `step_s` (engine/multi_step.py;
+        """Decode steps per scheduler call the engine picks for steps of `step_s` (platform/multi_step.py;
         1 where it does not run several: no multi-step measurement, i.e. not CPU)."""
         if not self.per_step_multi_s:
             return 1
-        from strata.engine.multi_step import steps_for
+        from strata.platform.multi_step import steps_for
 
         return steps_for(step_s)
 
@@ -217,7 +217,7 @@ def measure_overhead(
     from strata.model_config import ModelConfig
 
     dname = str(dtype).replace("torch.", "")
-    multi = device == "cpu"  # where the engine runs several decode steps per call (engine/multi_step.py)
+    multi = device == "cpu"  # where the engine runs several decode steps per call (platform/multi_step.py)
     measured: dict[str, float] = {}
     residual: dict[tuple[int, int, bool], float] = {}
     t0 = time.perf_counter()
@@ -240,9 +240,9 @@ def measure_overhead(
                 measured[f"layers={layers},batch={batch}{label}"] = sec
                 residual[layers, batch, cold] = sec - kernels
             if multi and layers == DEPTHS[0]:
-                engine.scheduler.lookahead = MULTI_STEPS
+                engine.policy.lookahead = MULTI_STEPS
                 sec = statistics.fmean(_decode_step_seconds(engine, batch, evict)[1] for _ in range(2))
-                engine.scheduler.lookahead = 1
+                engine.policy.lookahead = 1
                 measured[f"layers={layers},batch={batch},steps={MULTI_STEPS}"] = sec
                 residual[layers, batch, MULTI_STEPS] = sec - kernels
         del engine

@@ -128,8 +128,8 @@ def this_device(profile, dtype: torch.dtype, quantization: str | None, count: in
 
     notes = [f"measured on this machine by strata hw ({profile.name}, {profile.threads} threads)"]
     if cpu:
-        from strata.hardware.dtype_policy import GEMM_RATE_KEY as rate_key
-        from strata.hardware.dtype_policy import prefill_gemms
+        from strata.platform.cpu_policy import GEMM_RATE_KEY as rate_key
+        from strata.platform.cpu_policy import prefill_gemms
 
         fp32_path, narrow_path, _ = prefill_gemms(profile)  # the GEMMs the engine will mark
     if cpu and quantization == "bf16":  # bf16 weights, fp32 compute (memory/bf16_weights.py)
@@ -139,7 +139,7 @@ def this_device(profile, dtype: torch.dtype, quantization: str | None, count: in
         attn = profile.sdpa_gflops.get("float32", 0.0)
         notes.append(f"bf16 weights read narrow at decode; prefill GEMM {narrow_path} (as the engine picks it)")
     elif cpu and quantization is not None:
-        from strata.hardware.dtype_policy import int8_prefill_gemm
+        from strata.platform.cpu_policy import int8_prefill_gemm
 
         stream = need(profile.quant_linear_gbs, quantization, "quantised batch-1")
         few = need(profile.quant_matmul_gflops, quantization, "quantised batch-16")

@@ -4,7 +4,7 @@ The rate model prices a decode step as weight bytes at one GEMV rate plus FLOPs 
 rate, both probed on one large matrix. Across CPUs that misses by 15-65%: the model's matrices
 are small (576..1536 wide), so thread hand-offs and per-layer calls weigh more than on the probe's
 16384 x 4096 matrix; the quantised probe matrix (64 MiB) sits in a large L3 on some machines and
-not others; and the engine runs each decoder layer as one fused call (graph/cpu_decode.py) whose
+not others; and the engine runs each decoder layer as one fused call (platform/cpu_decode_step.py) whose
 cost no rate describes. So for `this` device the planner builds the model itself with random
 weights, with as many layers as span SPAN_BYTES of weights (all of them when the model is
 smaller: then the cache holds in the probe what it holds in the run), stored the way the engine
@@ -89,8 +89,8 @@ def store_like_engine(model, quantization: str | None, group: int, device: str) 
 
         quantize_model(model, quantization, group)
     if device == "cpu":
-        from strata.hardware.dtype_policy import mark_prefill_gemms
         from strata.hardware.probe import probe
+        from strata.platform.cpu_policy import mark_prefill_gemms
 
         mark_prefill_gemms(model, probe("cpu"))
 
@@ -116,7 +116,6 @@ class DecodeProbe:
         with torch.device(self.device):
             self.model = CausalLM(built, max_positions=max(PROBE_CONTEXT, PREFILL_MAX_TOKENS) + 1).to(dtype).eval()
         self.model.requires_grad_(False)
-        self.model.fused_head = False  # the forward is the layers only; the head is timed apart
         store_like_engine(self.model, quantization, group, device)
         self.layers = built.num_layers
         self.backend = select_backend("auto", device, dtype)
@@ -131,6 +130,15 @@ class DecodeProbe:
         for cache in self.kv_caches:
             cache.normal_(generator=gen)
         self.blocks_per_seq = blocks_per_seq
+        # the engine's decode step on CPU (the fused layer loop), its head left out: timed apart
+        from strata.platform.cpu_decode_step import CpuDecodeStep
+
+        self.step = CpuDecodeStep(self.model, self.kv_caches, BLOCK, fused_head=False) if device == "cpu" else None
+
+    def _decode(self, ids, positions, meta, kv_caches) -> torch.Tensor:
+        """The layers and final norm of a decode step, as the engine runs them."""
+        hidden = None if self.step is None else self.step(ids, positions, meta)
+        return self.model(ids, positions, meta, kv_caches) if hidden is None else hidden
 
     def _step_inputs(self, batch: int):
         from strata.kernels.attention import AttentionMetadata
@@ -175,11 +183,11 @@ class DecodeProbe:
         layer_s, head_s = [], []
         for b in batches:
             inputs = (*self._step_inputs(b), self.kv_caches)
-            hidden = self.model(*inputs)
+            hidden = self._decode(*inputs)
             # the head right after the layers, as in a step: timed alone in a loop, a head that
             # nearly fits the last-level cache (smol-135m int8: 28 MB of 32) read warm, 0.40 vs
             # 0.61 ms in the engine's step (Zen 5)
-            layers, head = self._seconds(lambda inputs=inputs: self.model(*inputs),
+            layers, head = self._seconds(lambda inputs=inputs: self._decode(*inputs),
                                          lambda hidden=hidden: self.model.compute_logits(hidden).float(),
                                          min_seconds=min_seconds)
             layer_s.append(layers / self.layers)

@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from strata.comm.collectives import Communicator
 from strata.comm.world import World, destroy_world
+from strata.settings import SETTINGS
 
 WARMUP = 3
 
@@ -141,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=60.0)
     p.add_argument("--shm-slot-bytes", type=int, default=None)
     args = p.parse_args(argv)
-    torch.set_num_threads(int(os.environ.get("STRATA_RANK_THREADS", "1")))
+    torch.set_num_threads(SETTINGS.rank_threads)
     world = World.from_env()
     device = args.device
     if device.startswith("cuda"):

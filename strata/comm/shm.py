@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from strata.errors import StrataError
+from strata.settings import SETTINGS
 
 SHM_DIR = "/dev/shm"
 PREFIX = "strata-comm-"
@@ -42,7 +43,7 @@ DEFAULT_SLOT_BYTES = 4 * 2**20  # per rank and buffer: 2 x n x 4 MiB of /dev/shm
 MAGIC = 0x53545241_544D5348
 HEADER = 4096
 LINE = 64
-SPIN = int(os.environ.get("STRATA_SHM_SPIN", "200"))  # flag polls before the first yield
+SPIN = SETTINGS.shm_spin  # flag polls before the first yield
 YIELD_S = 0.002  # then sched_yield until this long, then sleeps
 LIVENESS_EVERY_S = 0.02
 STALE_S = 60.0  # an un-unlinked region older than this whose creator is gone is swept

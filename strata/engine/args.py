@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from strata.config import EngineConfig, engine_default
-from strata.demo.random_models import SHAPES
+from strata.demo.shapes import SHAPES
 from strata.errors import ConfigError
 
 
@@ -62,7 +62,7 @@ FLAGS: tuple[_Flag, ...] = (
           default_text="strata serve on CPU: measured prefill rate x 0.10 s; offline LLM / GPU: no cap"),
     _Flag("num_scheduler_steps", "multi-step decode: up to this many decode steps per scheduler call while "
           "every running sequence decodes and no request waits (tokens then stream in bursts; 1 = off)",
-          type=int, default_text="CPU: as many as fit a 50 ms burst at the measured step time, at most 8; GPU: 1"),
+          type=int, default_text="CPU: as many as fit a 50 ms burst at the measured step time, at most 16; GPU: 1"),
     _Flag("num_threads", "compute threads", flag="--threads", type=int, default_text="physical cores"),
     _Flag("speculative_model", "speculative decoding: 'ngram' drafts by prompt lookup (tokens that followed "
           "the same n-gram earlier in the prompt or output), or a small draft model's directory (same "
@@ -106,7 +106,7 @@ class EngineArgs:
     """The engine flags that differ from EngineConfig's defaults, and the model choice."""
 
     model: str | None = None  # HF directory or Hub id; None (and no random_model) = the built-in demo model
-    random_model: str | None = None  # a named random-weight shape (strata.demo.random_models.SHAPES)
+    random_model: str | None = None  # a named random-weight shape (strata.demo.shapes.SHAPES)
     revision: str | None = None  # Hub branch, tag or commit of a Hub id (graph/hub.py)
     download_dir: str | None = None  # Hugging Face cache to read and download into
     overrides: dict[str, Any] = field(default_factory=dict)  # EngineConfig field -> value given
@@ -180,7 +180,7 @@ class EngineArgs:
             return str(random_model_path(self.random_model))
         if self.model is None:
             return None
-        from strata.graph.loader import check_model_dir
+        from strata.graph.hub import check_model_dir
 
         return str(check_model_dir(self.model, self.revision, self.download_dir))
 

@@ -23,24 +23,40 @@ from pathlib import Path
 
 import torch
 
+from strata.comm.collectives import Communicator
 from strata.config import DTYPES, EngineConfig
+from strata.demo.model import demo_model_path
+from strata.engine.draft_model import DraftModelProposer
 from strata.engine.grammar import GrammarCompiler
 from strata.engine.lifecycle import SequenceLifecycle
+from strata.engine.parallel import Ranks
 from strata.engine.preemption import SwapPolicy
 from strata.engine.runner import ModelRunner
 from strata.engine.sampler import Sampler
 from strata.engine.scheduler import Scheduler
 from strata.engine.speculative import NgramProposer, Speculator
 from strata.errors import ConfigError, ModelLoadError
-from strata.graph.loader import check_model_dir, load_model
+from strata.graph.fusion import fuse_model
+from strata.graph.hub import check_model_dir
+from strata.graph.loader import load_model
+from strata.graph.tensor_parallel import check_shardable, per_rank_config, shard_model
+from strata.hardware.dtype_policy import auto_dtype
 from strata.hardware.host_allocator import keep_freed_memory
 from strata.hardware.placement import rank_placement, set_compute_threads
+from strata.hardware.probe import cached_comm_model, probe
+from strata.hardware.profile import HardwareProfile
 from strata.kernels.attention import select_backend
+from strata.memory.bf16_weights import narrow_model
 from strata.memory.blocks import BlockManager
 from strata.memory.kv_cache import allocate_kv_cache
 from strata.memory.planner import MemoryPlan, check_fits, kv_bytes_per_token, plan_memory
+from strata.memory.quant import quantize_model
 from strata.memory.swap import HostBlockPool, KVSwapper
 from strata.model_config import ModelConfig
+from strata.platform import Platform, select_platform
+from strata.platform.cpu import resolve_weight_storage
+from strata.platform.policy import StepPolicy
+from strata.protocol.tokenizer import Tokenizer
 from strata.text_table import fmt_bytes
 
 logger = logging.getLogger(__name__)
@@ -87,16 +103,12 @@ def open_checkpoint(model: str | None, generation_config: str = "auto", chat_tem
     generation_config: where the sampling defaults come from (EngineConfig.generation_config; the
     EOS ids always come from the model's own file); chat_template overrides the checkpoint's."""
     if model is None:
-        from strata.demo.model import demo_model_path
-
         path = demo_model_path()
     else:
         path = check_model_dir(model)
     cfg = ModelConfig.from_file(path / "config.json")
     tokenizer = None
     if (path / "tokenizer.json").is_file():
-        from strata.engine.tokenizer import Tokenizer
-
         tokenizer = Tokenizer.from_dir(path, chat_template=chat_template)
     else:
         logger.info("%s has no tokenizer.json: only token-id prompts will work", path)
@@ -126,85 +138,11 @@ def sampling_defaults(model_dir: Path, gen: dict, source: str) -> dict:
     return found
 
 
-def resolve_dtype(name: str, device: str, checkpoint_dtype: torch.dtype) -> torch.dtype:
+def resolve_dtype(name: str, device: str, checkpoint_dtype: torch.dtype, profile: HardwareProfile | None) -> torch.dtype:
     """auto: the fastest dtype measured on this device (hardware layer); else the one named."""
     if name != "auto":
         return DTYPES[name]
-    from strata.hardware.probe import auto_dtype
-
-    return auto_dtype(device, checkpoint_dtype)
-
-
-def resolve_weight_storage(config: EngineConfig, checkpoint_dtype: torch.dtype) -> EngineConfig:
-    """bf16 weight storage with fp32 compute (memory/bf16_weights.py): asked for with
-    quantization="bf16", or chosen by dtype="auto" on a CPU for a bf16 checkpoint when the hardware
-    layer measured it faster (dtype_policy.bf16_storage). Returns the config with dtype and
-    quantization filled in."""
-    auto = (config.dtype == "auto" and config.quantization is None and config.device == "cpu"
-            and config.tensor_parallel_size == 1 and not config.compile)
-    if not auto and config.quantization != "bf16":
-        return config
-    from strata.hardware import dtype_policy
-    from strata.hardware.probe import probe
-    from strata.kernels import cpu_bf16
-
-    if not cpu_bf16.available():
-        if config.quantization == "bf16":
-            logger.warning("bf16 weights without numba: every projection widens its weight per call (slow)")
-        return config
-    use, prefill, why = dtype_policy.bf16_storage(probe("cpu"), torch.bfloat16 if not auto else checkpoint_dtype)
-    if auto and not use:
-        logger.info("auto dtype: fp32 weights kept (%s)", why)
-        return config
-    logger.info("%s: bf16 weights, fp32 activations and KV cache; decode reads the weights narrow, "
-                "prefill %s (%s)", "auto dtype" if auto else "quantization bf16", prefill, why)
-    return dataclasses.replace(config, dtype="float32", quantization="bf16")
-
-
-# CPU: the prefill share of a step while streams decode, priced at the GEMM peak (ITL target 0.25 s).
-# 0.15 s was too much: whole-model prefill runs at ~0.68x the GEMM peak (smol-135m on the Xeon VM:
-# 855 vs 1,266 tok/s), so 0.15 s priced took ~0.22 s, plus the decode batch: ITL p99 311 ms at the
-# near-saturation rate of the peers run.
-DECODE_FIRST_STEP_S = 0.10
-
-
-def decode_first_cap(config: EngineConfig, cfg: ModelConfig, dtype: torch.dtype) -> int | None:
-    """The scheduler's prefill-token cap while sequences decode: the configured one, else on CPU
-    the tokens the measured prefill GEMM rate computes in DECODE_FIRST_STEP_S (a multiple of the
-    block size, at least 4 blocks: smaller chunks waste the GEMM); no cap on GPUs, where a prefill
-    chunk of the default budget takes milliseconds."""
-    if config.max_prefill_tokens_while_decoding is not None:
-        return config.max_prefill_tokens_while_decoding
-    if config.device != "cpu":
-        return None
-    from strata.hardware.dtype_policy import GEMM_RATE_KEY, prefill_gemms
-    from strata.hardware.probe import probe
-
-    prof = probe("cpu")
-    fp32, narrow, _ = prefill_gemms(prof)
-    path = narrow if config.quantization is not None else fp32
-    gflops = prof.gemm_gflops.get(GEMM_RATE_KEY[path]) or prof.gemm_gflops.get("float32", 0.0)
-    if gflops <= 0:
-        return None
-    tokens_per_s = gflops * 1e9 / (2 * cfg.num_params())
-    blocks = max(4, int(tokens_per_s * DECODE_FIRST_STEP_S) // config.block_size)
-    cap = min(config.max_num_batched_tokens, blocks * config.block_size)
-    logger.info("decode-first: at most %d prefill tokens a step while sequences decode (measured GEMM %.0f "
-                "GFLOP/s ~ %.0f prefill tok/s x %.2f s)", cap, gflops, tokens_per_s, DECODE_FIRST_STEP_S)
-    return cap
-
-
-def mark_gemms(model, config: EngineConfig) -> None:
-    """CPU: the prefill GEMM path of every projection, by this machine's measurement
-    (kernels/cpu_gemm.py, dtype_policy.prefill_gemms); after quantisation and sharding, which
-    replace the weight tensors."""
-    if config.device != "cpu":
-        return
-    from strata.hardware.dtype_policy import mark_prefill_gemms
-    from strata.hardware.probe import probe
-
-    count, why = mark_prefill_gemms(model, probe("cpu"))
-    logger.info("prefill GEMMs: %d projections marked (%s)", count, why)
+    return auto_dtype(device, checkpoint_dtype, profile if device == "cpu" else None, cpu_profile=probe)
 
 
 def resolve_max_model_len(cfg: ModelConfig, requested: int | None) -> int:
@@ -228,11 +166,7 @@ def quantize(model, config: EngineConfig):
     if config.quantization is None:
         return model
     if config.quantization == "bf16":
-        from strata.memory.bf16_weights import narrow_model
-
         return narrow_model(model)
-    from strata.memory.quant import quantize_model
-
     t0 = time.perf_counter()
     quantize_model(model, config.quantization, config.quantization_group_size)
     logger.info("quantized to %s in %.2fs", config.quantization, time.perf_counter() - t0)
@@ -243,25 +177,10 @@ def fuse(model, config: EngineConfig):
     """The step's forward: the model, or its FX-traced step with fused ops (--fuse)."""
     if not config.fuse:
         return model, None
-    from strata.graph.fusion import fuse_model
-
     t0 = time.perf_counter()
     fused = fuse_model(model)
     logger.info("fusion: %s in %.2fs", fused.summary(), time.perf_counter() - t0)
     return fused, fused
-
-
-def capture(model, forward, kv_caches, blocks: BlockManager, backend, config: EngineConfig, max_model_len: int):
-    """The decode step under torch.compile and/or CUDA graphs (None when neither is asked)."""
-    if not (config.compile or config.cuda_graphs):
-        return None
-    from strata.graph.capture import build_decode_capture
-
-    return build_decode_capture(
-        model, forward, kv_caches, backend=backend, scratch_block=blocks.scratch_block,
-        block_size=config.block_size, max_num_seqs=config.max_num_seqs, max_model_len=max_model_len,
-        device=config.device, compile=config.compile, cuda_graphs=config.cuda_graphs,
-    )
 
 
 # --- memory -----------------------------------------------------------------------------------------
@@ -367,14 +286,14 @@ class EngineParts:
     runner: ModelRunner
     scheduler: Scheduler
     sampler: Sampler
+    platform: Platform
+    policy: StepPolicy  # the tuners' decisions; the scheduler reads it, the engine feeds it
     ranks: object | None = None  # engine.parallel.Ranks with tensor parallelism
     control: object | None = None  # the Communicator step plans travel on
 
 
 def shard(model, ranks, comm):
     """Tensor parallelism, applied to the built (and quantised) model from outside."""
-    from strata.graph.tensor_parallel import shard_model
-
     t0 = time.perf_counter()
     model = shard_model(model, ranks.rank, ranks.world.world_size, comm)
     logger.info("sharded for rank %d of %d in %.2fs", ranks.rank, ranks.world.world_size, time.perf_counter() - t0)
@@ -384,10 +303,9 @@ def shard(model, ranks, comm):
 DRAFT_KV_BYTES = 512 << 20  # the draft model's KV cache: at most this (sequences without room do not draft)
 
 
-def draft_proposer(config: EngineConfig, target: ModelConfig, dtype: torch.dtype, max_len: int, backend):
+def draft_proposer(config: EngineConfig, target: ModelConfig, dtype: torch.dtype, max_len: int, backend,
+                   platform: Platform):
     """--speculative-model DIR: the draft model on its own paged KV cache (engine/draft_model.py)."""
-    from strata.engine.draft_model import DraftModelProposer
-
     ckpt = open_checkpoint(config.speculative_model)
     cfg = ckpt.model_config
     if cfg.vocab_size != target.vocab_size:
@@ -406,26 +324,28 @@ def draft_proposer(config: EngineConfig, target: ModelConfig, dtype: torch.dtype
     draft_cfg = dataclasses.replace(config, kv_cache_memory=budget, preemption_mode="recompute",
                                     quantization=None, enable_prefix_caching=False)
     _, blocks, kv_caches = kv_memory(draft_cfg, cfg, dtype, max_len)
-    runner = ModelRunner(model, kv_caches, config.block_size, config.device, backend)
+    runner = ModelRunner(model, kv_caches, config.block_size, config.device, backend,
+                         decode_step=platform.draft_decode_step(model, kv_caches, config.block_size))
     logger.info("draft model %s (%s): KV %s for drafts", ckpt.path, cfg.architecture, fmt_bytes(budget))
     return DraftModelProposer(runner, blocks)
 
 
-def build_engine(config: EngineConfig, detokenize: bool = True) -> EngineParts:
-    """detokenize=False: sequences carry token ids only; text and stop strings are the caller's."""
+def build_engine(config: EngineConfig, detokenize: bool = True, profile: HardwareProfile | None = None,
+                 workload: str = "streaming") -> EngineParts:
+    """detokenize=False: sequences carry token ids only; text and stop strings are the caller's.
+    profile: this machine's measured hardware profile (hardware/probe.py; None: probed here, once,
+    where the build needs one: a CPU engine, or bf16 weight storage). workload: "offline" (every
+    prompt known up front: LLM.generate), "streaming" (driven step by step) or "serving" (arrivals:
+    `strata serve`); the platform's policy follows it (platform/base.py)."""
     import_apart("torch._dynamo")
+    if profile is None and (config.device == "cpu" or config.quantization == "bf16"):
+        profile = probe("cpu")
+    platform = select_platform(config.device, profile)
     ckpt = open_checkpoint(config.model, config.generation_config, config.chat_template)
     ranks = comm = control = None
     if config.tensor_parallel_size > 1:
-        from strata.comm.collectives import Communicator
-        from strata.engine.parallel import Ranks
-        from strata.graph.tensor_parallel import check_shardable
-
         check_shardable(ckpt.model_config, config.tensor_parallel_size)  # before any rank starts
-
         ranks = Ranks(config)  # spawns the other local ranks, or joins torchrun's world
-        from strata.hardware.probe import cached_comm_model
-
         # the measured alpha-beta model (`strata bench comm`) picks SHM or gloo per message size
         comm = Communicator(comm_dtype=config.comm_dtype, cost=cached_comm_model(config.device),
                             timeout_s=config.comm_timeout)
@@ -438,32 +358,33 @@ def build_engine(config: EngineConfig, detokenize: bool = True) -> EngineParts:
     if config.device == "cpu":
         keep_freed_memory()  # activations reused, not page-faulted anew every step
     try:
-        return _build(config, ckpt, detokenize, threads, ranks, comm, control)
+        return _build(config, ckpt, detokenize, threads, platform, workload, ranks, comm, control)
     except BaseException:
         if ranks is not None:
             ranks.close()
         raise
 
 
-def _build(config: EngineConfig, ckpt: Checkpoint, detokenize: bool, threads: int, ranks, comm,
-           control) -> EngineParts:
+def _build(config: EngineConfig, ckpt: Checkpoint, detokenize: bool, threads: int, platform: Platform,
+           workload: str, ranks, comm, control) -> EngineParts:
     cfg = ckpt.model_config
-    config = resolve_weight_storage(config, cfg.torch_dtype)
-    dtype = resolve_dtype(config.dtype, config.device, cfg.torch_dtype)
+    if config.device == "cpu":
+        config = platform.resolve_weight_storage(config, cfg.torch_dtype)
+    elif config.quantization == "bf16":  # bf16 storage asked for on another device: the same check
+        config = resolve_weight_storage(config, cfg.torch_dtype, platform.profile)
+    dtype = resolve_dtype(config.dtype, config.device, cfg.torch_dtype, platform.profile)
     max_len = resolve_max_model_len(cfg, config.max_model_len)
     model = quantize(load(ckpt, dtype, config.device, max_len), config)
     rank_cfg, agree = cfg, None
     if ranks is not None:
-        from strata.graph.tensor_parallel import per_rank_config
-
         model = shard(model, ranks, comm)
         rank_cfg = per_rank_config(cfg, ranks.world.world_size)
         agree = control.all_min
-    mark_gemms(model, config)
+    platform.prepare_model(model, config)
     plan, blocks, kv_caches = kv_memory(config, rank_cfg, dtype, max_len, agree)
     backend = select_backend(config.attention_backend, config.device, dtype)
     forward, fusion = fuse(model, config)
-    decode_step = capture(model, forward, kv_caches, blocks, backend, config, max_len)
+    decode_step = platform.decode_step(model, forward, kv_caches, blocks, backend, config, max_len)
     if config.fuse or config.compile or config.cuda_graphs:
         # torch.fx's tracer leaves frame cycles (Proxy.__iter__ and torch.fx.wrap keep
         # inspect.currentframe() in a local) whose frames hold the model: collect them now, once,
@@ -482,9 +403,12 @@ def _build(config: EngineConfig, ckpt: Checkpoint, detokenize: bool, threads: in
         speculator = Speculator(config.num_speculative_tokens,
                                 NgramProposer(config.prompt_lookup_max, config.prompt_lookup_min))
     elif config.speculative_model is not None:
-        speculator = Speculator(config.num_speculative_tokens, draft_proposer(config, cfg, dtype, max_len, backend))
+        speculator = Speculator(config.num_speculative_tokens,
+                                draft_proposer(config, cfg, dtype, max_len, backend, platform))
+    policy = platform.policy(config, cfg, threads, tensor_parallel=ranks is not None,
+                             speculative=speculator is not None, workload=workload)
     scheduler = Scheduler(blocks, config.max_num_seqs, config.max_num_batched_tokens, prefer_swap, lifecycle,
-                          decode_first_cap(config, cfg, dtype), speculator)
+                          policy, speculator)
     sampler = Sampler(cfg.vocab_size, ckpt.eos_token_ids, config.seed)
     return EngineParts(config, threads, ckpt, dtype, max_len, model, plan, blocks, kv_caches, fusion,
-                       runner, scheduler, sampler, ranks, control)
+                       runner, scheduler, sampler, platform, policy, ranks, control)

@@ -26,14 +26,8 @@ class LLM:
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         """kwargs: EngineConfig's fields, and vLLM's names for them (engine/llm_kwargs.py)."""
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_kwargs(model, kwargs)))
-        if self.engine.config.max_prefill_tokens_while_decoding is None:
-            # Offline, every prompt is known up front and nobody watches tokens stream: the
-            # decode-first cap (the server's, build.decode_first_cap) would only shrink the GEMMs.
-            # Measured (smol-135m fp32, 64 requests, `strata bench throughput`, Zen 4): 117-128
-            # output tok/s with the cap vs 138-144 without. vLLM likewise gives its LLM class a
-            # larger step budget than its server.
-            self.engine.scheduler.max_prefill_tokens_while_decoding = None
+        # offline: no decode-first cap unless asked for (platform/base.start_up_cap says why)
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_kwargs(model, kwargs)), workload="offline")
         self._counter = 0
 
     def close(self) -> None:

@@ -14,14 +14,14 @@ import time
 import torch
 
 from strata.config import EngineConfig
-from strata.engine import adaptive_threads, multi_step, speculative
+from strata.engine import speculative
 from strata.engine.build import build_engine
 from strata.engine.grammar import GrammarMasks
 from strata.engine.parallel import STOP, RankDied, encode_step
 from strata.engine.request import Request, SeqStatus
 from strata.engine.sampler import SamplerOutput
 from strata.errors import RequestError
-from strata.graph import cpu_decode
+from strata.hardware.profile import HardwareProfile
 from strata.memory.blocks import KVUsage
 from strata.protocol.outputs import CompletionOutput, RequestOutput
 from strata.protocol.sampling_params import RequestOutputKind, SamplingParams
@@ -32,12 +32,16 @@ logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, detokenize: bool = True) -> None:
+    def __init__(self, config: EngineConfig, detokenize: bool = True, workload: str = "streaming",
+                 profile: HardwareProfile | None = None) -> None:
         """detokenize=False: outputs carry token ids only and stop strings are left to the caller
-        (the server detokenises in its front-end process, off the engine's critical path)."""
+        (the server detokenises in its front-end process, off the engine's critical path).
+        workload: "offline" (LLM.generate), "streaming" (driven step by step) or "serving"
+        (`strata serve`): the platform's step policy follows it (platform/base.py). profile: the
+        machine's measured hardware profile (None: probed once, by the build)."""
         self.config = config
         self.detokenize = detokenize
-        parts = build_engine(config, detokenize)  # engine/build.py: the ordered assembly
+        parts = build_engine(config, detokenize, profile, workload)  # engine/build.py: the ordered assembly
         self.config = parts.config  # with what dtype="auto" resolved to (e.g. bf16 weight storage)
         ckpt = parts.checkpoint
         self.model_path, self.model_config, self.tokenizer = ckpt.path, ckpt.model_config, ckpt.tokenizer
@@ -47,18 +51,15 @@ class LLMEngine:
         self.block_manager, self.fusion = parts.block_manager, parts.fusion
         self.runner, self.scheduler, self.sampler = parts.runner, parts.scheduler, parts.sampler
         self.ranks, self._control = parts.ranks, parts.control  # tensor parallelism (engine/parallel.py)
+        self.platform = parts.platform
+        self.policy = parts.policy  # the tuners' decisions (platform/policy.py), fed after every step
         self.requests: dict[str, Request] = {}
         self.last_schedule = None
         self.step_observers: list = []  # callables(engine) run after every step (benchmarks, metrics)
         self.num_steps = 0
         self.grammar_masks = GrammarMasks(self.model_config.vocab_size)  # structured output
         self.stage_seconds = {"schedule": 0.0, "forward": 0.0, "sample": 0.0}  # cumulative, per step phase
-        self._threads = None  # the adaptive kernel thread count (CPU), applied per step
-        if adaptive_threads.enabled() and self.config.device == "cpu" and self.ranks is None:
-            self._threads = adaptive_threads.AdaptiveThreads(self.threads)
-            self.step_observers.append(self._threads)
-            self._threads.release()
-        multi_step.attach(self)  # several decode steps per scheduler call (engine/multi_step.py)
+        self.warming_up = False  # while warm_up runs (a tuner may leave its steps out)
 
     def close(self) -> None:
         """Free the model, the KV cache and the swap space now (requests in flight are aborted);
@@ -117,8 +118,12 @@ class LLMEngine:
         params = SamplingParams(temperature=0.0, max_tokens=output_tokens, ignore_eos=True)
         for i in range(2):  # two requests: the batched decode paths too
             self.add_request(f"warmup-{i}", None, ids[i:], params)
-        while self.has_unfinished():
-            self.step()
+        self.warming_up = True
+        try:
+            while self.has_unfinished():
+                self.step()
+        finally:
+            self.warming_up = False
         self.stage_seconds = dict.fromkeys(self.stage_seconds, 0.0)
         return time.perf_counter() - t0
 
@@ -152,7 +157,7 @@ class LLMEngine:
         req = Request(request_id, prompt, list(prompt_ids), params)
         self.requests[request_id] = req
         self.scheduler.add_request(req)
-        cpu_decode.recheck_weights()  # the caller held control: weights may have changed
+        self.runner.weights_may_have_changed()  # the caller held control
         return req
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -181,13 +186,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """schedule -> execute -> sample -> update; outputs for the requests that advanced."""
         self._check_open()
-        if self._threads is None:
+        with self.policy.step():  # the platform's kernel thread cap, for this engine's steps only
             return self._step()
-        self._threads.apply()
-        try:
-            return self._step()
-        finally:
-            self._threads.release()
 
     def _step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
@@ -217,6 +217,7 @@ class LLMEngine:
         st["schedule"] += t1 - t0
         st["forward"] += t2 - t1 + more_forward
         st["sample"] += t3 - t2 - more_forward  # sampling, stop checks and (offline) detokenisation
+        self.policy.observe(self)  # the tuners first: they set what the next step runs with
         for observe in self.step_observers:
             observe(self)
         outputs = []
@@ -355,7 +356,7 @@ class LLMEngine:
             kv_token_bytes=usage.token_bytes, kv_waste_bytes=usage.waste_bytes,
             preemptions=sch.num_preemptions, prefix_queries=pc.queries, prefix_hits=pc.hits,
             prefix_evictions=pc.evictions, steps=self.num_steps, stage_seconds=dict(self.stage_seconds),
-            prefill_cap=sch.max_prefill_tokens_while_decoding or 0, **spec,
+            prefill_cap=self.policy.prefill_cap or 0, **spec,
         )
 
     def check_blocks(self) -> None:

@@ -14,8 +14,8 @@ import torch
 
 from strata.engine.scheduler import ScheduledSeq, SchedulerOutput
 from strata.engine.speculative import DraftView
+from strata.graph.decode_step import DecodeStep
 from strata.graph.models.llama import CausalLM
-from strata.kernels import cpu_decode_layer
 from strata.kernels.attention import (
     AttentionBackend,
     AttentionMetadata,
@@ -30,12 +30,12 @@ class ModelRunner:
     def __init__(
         self, model: CausalLM, kv_caches: list[torch.Tensor], block_size: int, device: str,
         attention_backend: AttentionBackend | str = "sdpa", *, forward: Callable | None = None,
-        decode_step: Callable | None = None, swapper: KVSwapper | None = None,
+        decode_step: DecodeStep | None = None, swapper: KVSwapper | None = None,
     ) -> None:
         """forward: the step's forward, the model itself or its FX-fused step (graph/fusion.py);
-        decode_step: tried first for all-decode steps (graph/capture.py: torch.compile / CUDA
-        graphs; returns None for a step it does not capture); swapper: copies swapped KV blocks
-        (None without swap space)."""
+        decode_step: the platform's, tried first for all-decode steps (graph/decode_step.py: the
+        fused CPU layer loop, torch.compile / CUDA graphs; None for a step it does not run);
+        swapper: copies swapped KV blocks (None without swap space)."""
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -47,7 +47,11 @@ class ModelRunner:
         self.prompt_rows: list[tuple] = []
         self.prompt_logits: list[tuple] = []
         self._next = None  # (positions, metadata, order) of the last all-decode step
-        self._rows = None  # on CPU: its (positions, block tables, slots, lengths) as numpy (execute_next)
+
+    def weights_may_have_changed(self) -> None:
+        """The caller held control (a request was added): the decode step re-checks its weight views."""
+        if self.decode_step is not None:
+            self.decode_step.weights_may_have_changed()
 
     def _tensor(self, data) -> torch.Tensor:
         """An int64 tensor of `data` (a list, or a list of equal-length lists) on the device. On
@@ -151,7 +155,7 @@ class ModelRunner:
             self.swapper.swap_out(out.swap_out)  # before the freed blocks are written again
             self.swapper.start_swap_in(out.swap_in)  # overlaps this step's forward
         copy_blocks(self.kv_caches, out.block_copies)
-        self._next = self._rows = None
+        self._next = None
         if not out.scheduled:
             return None, []
         ids, pos, meta, rows, order = self.prepare(out)
@@ -163,27 +167,19 @@ class ModelRunner:
         """The decode step after an all-decode `execute`: every sequence of that step computes the
         token it just sampled (`token_ids`, in its rows' order), one position further on. Its blocks
         are already in its table (the scheduler reserved them, Scheduler._steps_ahead), so only the
-        positions, slots, lengths (and the torch backends' mask) move."""
+        positions, slots, lengths (and the torch backends' mask) move: in the decode step's own
+        rows where it continues itself (the fused CPU step), else here."""
         if self._next is None:
             raise RuntimeError("execute_next: the last step was not an all-decode step")
         pos, meta, order = self._next
+        if self.decode_step is not None:
+            hidden = self.decode_step.next(token_ids)
+            if hidden is not None:
+                return self._logits(hidden, None, order)
         bs, tables = self.block_size, meta.decode_block_tables
-        if self.device.type == "cpu":
-            if self._rows is None:  # the step's rows as numpy arrays of its own, moved in place
-                p = pos.numpy().copy()
-                self._rows = (p, tables.numpy(), np.empty_like(p), np.empty_like(p))
-            p, table_rows, slots, lens = self._rows
-            cpu_decode_layer.advance_rows(p, table_rows, bs, slots, lens)
-            if self.decode_step is None and self.forward is self.model and hasattr(self.model, "decode_next"):
-                # the fused CPU step continues, on numpy arrays (graph/cpu_decode.py)
-                hidden = self.model.decode_next(np.array(token_ids, np.int64), p, slots, lens)
-                if hidden is not None:
-                    return self._logits(hidden, None, order)
-            pos, slots, lens = (torch.from_numpy(a.copy()) for a in (p, slots, lens))
-        else:
-            pos = pos + 1
-            slots = tables.gather(1, (pos // bs)[:, None]).squeeze(1) * bs + pos % bs
-            lens = pos + 1
+        pos = pos + 1
+        slots = tables.gather(1, (pos // bs)[:, None]).squeeze(1) * bs + pos % bs
+        lens = pos + 1
         mask = None
         if meta.decode_mask is not None:
             keys = torch.arange(tables.shape[1] * bs, device=self.device)
@@ -208,7 +204,11 @@ class ModelRunner:
 
     def _logits(self, hidden, rows, order):
         """(logits of the sampling rows, fp32; the sequence sampling each row)."""
-        logits = self.model.compute_logits(hidden if rows is None else hidden.index_select(0, rows))
+        logits = None if self.decode_step is None or rows is not None else self.decode_step.logits_of(hidden)
+        if logits is None:
+            logits = self.model.compute_logits(hidden if rows is None else hidden.index_select(0, rows))
+        else:  # the decode step ran the head with the final norm
+            logits = self.model.cap_logits(logits)
         seqs, expand = self._sampling_rows(order)
         if expand is not None:
             logits = logits[expand]

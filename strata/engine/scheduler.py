@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from strata.engine.lifecycle import SequenceLifecycle
 from strata.engine.request import Request, SeqStatus, Sequence
 from strata.memory.blocks import BlockManager, PrefixMatch
+from strata.platform.policy import StepPolicy
 
 
 @dataclass
@@ -70,18 +71,20 @@ class Scheduler:
     def __init__(
         self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
         prefer_swap: Callable[[Sequence], bool] | None = None, lifecycle: SequenceLifecycle | None = None,
-        max_prefill_tokens_while_decoding: int | None = None, speculator=None,
+        policy: StepPolicy | None = None, speculator=None,
     ) -> None:
         """prefer_swap(seq): the preemption policy when the block manager has a host pool
         (default: always swap when it has room). lifecycle: sequence creation and stop rules.
-        max_prefill_tokens_while_decoding: decode-first cap on a step's prefill tokens whenever a
-        sequence is decoding (None: only the step budget). speculator: engine/speculative.Speculator,
-        drafts for decoding sequences (None: no speculative decoding)."""
+        policy: the engine's StepPolicy (platform/policy.py), read every call: its prefill_cap is
+        the decode-first cap on a step's prefill tokens whenever a sequence is decoding (None: only
+        the step budget), its lookahead the most decode steps a call runs (default: one step, no
+        cap). speculator: engine/speculative.Speculator, drafts for decoding sequences (None: no
+        speculative decoding)."""
         self.speculator = speculator
         self.blocks = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_prefill_tokens_while_decoding = max_prefill_tokens_while_decoding
+        self.policy = policy if policy is not None else StepPolicy()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()  # KV in host memory, resumed before new admissions
@@ -91,7 +94,6 @@ class Scheduler:
         self._pending_copies: list[tuple[int, int]] = []
         self.num_preemptions = 0
         self.num_swapped_out = 0
-        self.lookahead = 1  # multi-step decode: most decode steps per call (engine/multi_step.py sets it)
 
     def add_request(self, req: Request) -> Sequence:
         """Queue a new request: its first sequence (the others fork from it later)."""
@@ -172,7 +174,7 @@ class Scheduler:
                 self.running.append(seq)
                 out.scheduled.append(ScheduledSeq(seq, n))
                 budget -= n
-        if self.lookahead > 1:
+        if self.policy.lookahead > 1:
             out.num_steps = self._steps_ahead(out)
         now = time.time()
         for s in out.scheduled:
@@ -192,7 +194,7 @@ class Scheduler:
         if (self.waiting or self.swapped or self._prefetched or out.preempted or out.swap_in or out.swap_out
                 or not out.scheduled):
             return 1
-        steps = self.lookahead
+        steps = self.policy.lookahead
         for s in out.scheduled:
             seq, p = s.seq, s.seq.request.params
             if s.num_tokens != 1 or s.draft or s.forks or not s.samples or seq.grammar is not None:
@@ -228,7 +230,7 @@ class Scheduler:
     def _prefill_cap(self) -> int | float:
         """Prefill tokens this step may take: the decode-first cap while any sequence decodes
         (one token left to compute), else no cap beyond the step budget."""
-        cap = self.max_prefill_tokens_while_decoding
+        cap = self.policy.prefill_cap
         if cap is None:
             return float("inf")
         decoding = any(s.num_tokens - s.num_computed_tokens == 1 for s in (*self.running, *self._prefetched))

@@ -34,6 +34,7 @@ import torch.fx as fx
 from torch import Tensor
 
 from strata.errors import ConfigError
+from strata.graph.decode_step import DecodeStep
 from strata.graph.trace_gate import TRACE_GATE
 from strata.kernels.attention import AttentionBackend, AttentionMetadata, resolve_backend
 
@@ -79,7 +80,7 @@ def _mark_dynamic(b: int, ids: Tensor, positions: Tensor, slots: Tensor, tables:
             torch._dynamo.mark_dynamic(t, 0)
 
 
-class DecodeCapture:
+class DecodeCapture(DecodeStep):
     """Runs all-decode steps through torch.compile and/or CUDA graphs, padded to batch buckets.
 
     Call it with the runner's (ids, positions, meta); it returns the hidden states of the padded

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from strata.graph.layers import apply_rotary
 from strata.kernels import attention as attn
-from strata.kernels import cpu_norm, cpu_rope
+from strata.kernels import ops
 
 logger = logging.getLogger(__name__)
 
@@ -62,9 +62,9 @@ def kv_write_ref(kv_cache: Tensor, k: Tensor, v: Tensor, slots: Tensor) -> None:
 @torch.library.custom_op("strata::add_rms_norm", mutates_args=())
 def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """Residual add + RMSNorm: (normed, x + residual)."""
-    if cpu_norm.usable(x, weight):  # the eager model's CPU kernel for few fp32 rows
-        out, new_residual = cpu_norm.add_rms_norm(x, residual, weight, eps)
-        return out, new_residual
+    fast = ops.add_rms_norm(x, residual, weight, eps)  # the eager model's CPU kernel for few fp32 rows
+    if fast is not None:
+        return fast
     return add_rms_norm_ref(x, residual, weight, eps)
 
 
@@ -153,8 +153,9 @@ def rope_store(qkv: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor, slots: T
     """strata::rope_store: rotate q and k of the fused qkv rows [T, (h + 2 kvh) * d], store k and v at
     `slots`, return rotated q [T, h, d]: the numba kernel of kernels/cpu_rope.py for few fp32 CPU
     rows, else rotary_qk_ref + write_kv."""
-    if cpu_rope.usable(qkv, kv_cache):
-        return cpu_rope.rope_and_store(qkv, (cos, sin), slots, kv_cache, heads, kv_heads)
+    fast = ops.rope_and_store(qkv, (cos, sin), slots, kv_cache, heads, kv_heads)
+    if fast is not None:
+        return fast
     dim = cos.shape[-1]
     rows = qkv.view(*qkv.shape[:-1], heads + 2 * kv_heads, dim)
     q, k = rotary_qk_ref(rows[..., :heads, :], rows[..., heads : heads + kv_heads, :], cos, sin)

@@ -154,3 +154,12 @@ def _download(repo_id: str, revision: str | None, cache: Path, shown: str) -> Pa
         problem = (f"is {where} and the download failed ({type(e).__name__}: {str(e).splitlines()[0][:120]}); "
                    "retry, or pass --model PATH to a local copy")
     raise ModelLoadError(f"{shown} {problem}")
+
+
+def check_model_dir(path: str | Path, revision: str | None = None, download_dir: str | None = None) -> Path:
+    """The model directory for a path, or for a Hub id ORG/NAME[@revision] (graph/hub.py: the HF
+    cache, then a download unless HF_HUB_OFFLINE); a local path always wins."""
+    path = resolve_model(str(path), revision, download_dir)
+    if not path.is_dir():
+        raise ModelLoadError(f"{path}: not a directory; --model expects an HF model directory")
+    return path

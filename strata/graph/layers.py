@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from strata.kernels import cpu_norm
+from strata.kernels import ops
 from strata.kernels.linear import linear, swiglu
 
 
@@ -34,9 +34,9 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if cpu_norm.usable(x, self.weight):
-            out, new_residual = cpu_norm.add_rms_norm(x, residual, self.weight, self.eps)
-            return out if residual is None else (out, new_residual)
+        fast = ops.add_rms_norm(x, residual, self.weight, self.eps)
+        if fast is not None:
+            return fast[0] if residual is None else fast
         if residual is not None:
             x = x + residual
             residual = x

@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 
 from strata.errors import ModelLoadError
-from strata.graph.hub import resolve_model
+from strata.graph.hub import check_model_dir
 from strata.graph.models.llama import CausalLM
 from strata.memory.arena import arena_tensors
 from strata.memory.planner import free_memory, weight_bytes
@@ -37,15 +37,6 @@ _CONVERT_HINT = (
 class _Target:
     param: torch.Tensor
     rows: slice | None  # destination rows of a fused weight; None = the whole tensor
-
-
-def check_model_dir(path: str | Path, revision: str | None = None, download_dir: str | None = None) -> Path:
-    """The model directory for a path, or for a Hub id ORG/NAME[@revision] (graph/hub.py: the HF
-    cache, then a download unless HF_HUB_OFFLINE); a local path always wins."""
-    path = resolve_model(str(path), revision, download_dir)
-    if not path.is_dir():
-        raise ModelLoadError(f"{path}: not a directory; --model expects an HF model directory")
-    return path
 
 
 def weight_files(path: Path) -> list[Path]:

@@ -22,7 +22,7 @@ import ctypes.util
 import logging
 import os
 
-from strata.env_switch import switched_off
+from strata.settings import SETTINGS
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ def keep_freed_memory() -> bool:
     if _done is not None:
         return _done
     _done = False
-    if switched_off(ENV) or any(k in os.environ for k in USER_SETTINGS):
+    if not SETTINGS.host_malloc or any(k in os.environ for k in USER_SETTINGS):
         return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")

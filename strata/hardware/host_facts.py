@@ -14,7 +14,7 @@ import psutil
 import torch
 
 from strata.cpuinfo import cpu_identity, cpu_model_and_flags
-from strata.hardware.placement import default_threads, usable_cpus
+from strata.hardware.cores import default_threads, usable_cpus
 
 _SYS_CPU = Path("/sys/devices/system/cpu")
 _SYS_NODE = Path("/sys/devices/system/node")

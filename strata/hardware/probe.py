@@ -29,8 +29,8 @@ from strata.comm.alpha_beta import CommModel
 from strata.config import DTYPES, cache_root
 from strata.cpuinfo import cpu_model_and_flags
 from strata.hardware import dtype_policy, measure
+from strata.hardware.cores import default_threads
 from strata.hardware.measure import measure_mem_bandwidth, resolve_device
-from strata.hardware.placement import default_threads
 from strata.hardware.profile import SCHEMA_VERSION, HardwareProfile
 
 # HardwareProfile (profile.py) and measure_mem_bandwidth (measure.py) are reached from here too

@@ -16,6 +16,8 @@ import sys
 import threading
 import time
 
+from strata.settings import SETTINGS
+
 PARENT_ENV = "STRATA_PARENT_PID"
 PR_SET_PDEATHSIG = 1
 
@@ -27,10 +29,9 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 def die_with_parent(poll_seconds: float = 0.5) -> None:
     """In a child: exit as soon as the process that spawned us (PARENT_ENV) is gone."""
-    want = os.environ.get(PARENT_ENV)
-    if not want:
+    parent = SETTINGS.parent_pid
+    if parent is None:
         return  # started by hand (or by torchrun), not by a Strata parent
-    parent = int(want)
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
             libc = ctypes.CDLL(None, use_errno=True)

@@ -177,7 +177,7 @@ if numba is not None:
         # keeps at least _SPLIT_MIN_WORK: below that a parallel region costs more than the thread
         # it adds. The part count is a power of two (items split evenly over 1, 2, 4 or 8 threads)
         # and never depends on the thread count, so the result's bits do not either (the adaptive
-        # thread tuner changes it mid-run: engine/adaptive_threads.py).
+        # thread tuner changes it mid-run: platform/adaptive_threads.py).
         longest = 0
         for b in range(batch):
             longest = max(longest, lens[b] if window <= 0 else min(lens[b], window))

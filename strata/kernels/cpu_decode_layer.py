@@ -94,7 +94,7 @@ if numba is not None:
     @njit(cache=True)
     def _layer(
         x, residual, has_residual, k_cache, v_cache,
-        # the layer's own (graph/cpu_decode.py caches these per layer): norms, then per projection
+        # the layer's own (platform/cpu_layers.py builds these per layer): norms, then per projection
         # (weight, scale, bias, group, vnni); attention shape
         ln1, ln2, eps, wqkv, sqkv, bqkv, gqkv, vqkv, wo, so, bo, go, vo, wgu, sgu, ggu, vgu,
         wd, sd, bd, gd, vd, heads, kv_heads, scale, window,
@@ -121,6 +121,8 @@ if numba is not None:
         if bd.shape[0]:
             _add_bias(out, bd)
 
+    llama_layer = _layer  # the Llama-shaped layer's run (decode_layers' calling convention)
+
 
 def uses_vnni(fmt: str, n_in: int, rows: int, group: int) -> bool:
     """Whether a projection of this format runs its int8-activation kernel at `rows` input rows,
@@ -132,15 +134,17 @@ def uses_vnni(fmt: str, n_in: int, rows: int, group: int) -> bool:
 
 @kernel("decode_layer")
 def decode_layers(x, layers, step: tuple) -> None:
-    """Every layer of the step in turn, `layers` holding each layer's (own, k_cache, v_cache):
-    layer 0 reads x (the embedding), each later one the step's `out` / `res_out`, where the last
-    leaves the MLP branch and the residual stream. One Python loop over the compiled layer with
-    nothing else per layer: the per-layer argument checks happen once per step
-    (graph/cpu_decode.py)."""
+    """Every layer of the step in turn, `layers` holding each layer's (run, args): layer 0 reads x
+    (the embedding), each later one the step's `out` / `res_out`, where the last leaves the MLP
+    branch and the residual stream. A layer runs as run(x, residual, has_residual, *args, *step):
+    `llama_layer` (the compiled Llama-shaped layer, args = (k_cache, v_cache, *its own)), or
+    whatever the layer's kind gave the platform's decode step (platform/cpu_layers.py), an eager
+    layer included. One Python loop with nothing else per layer: the per-layer argument checks
+    happen once per step (platform/cpu_decode_step.py)."""
     out, res_out = step[-2], step[-1]
     residual, has_residual = x, False
-    for own, k_cache, v_cache in layers:
-        _layer(x, residual, has_residual, k_cache, v_cache, *own, *step)
+    for run, args in layers:
+        run(x, residual, has_residual, *args, *step)
         x, residual, has_residual = out, res_out, True
 
 

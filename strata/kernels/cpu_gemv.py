@@ -8,8 +8,11 @@ reference twin is F.linear; tests compare the two. Without numba everything fall
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
+from collections.abc import Iterator
+from contextvars import ContextVar
 
 import numpy as np
 import torch
@@ -148,18 +151,21 @@ def forget_numba_threads() -> None:
     _numba_threads.value = None
 
 
-_thread_cap: int | None = None  # engine/adaptive_threads.py lowers it under contention
+# At most this many threads for the numba kernels in the current context (None: as many as torch's
+# pool): the CPU platform's adaptive threads lower it under contention, for the engine's own steps
+# only (a ContextVar, set around each step: other engines and threads never inherit it). Results do
+# not depend on it: each output row (and each attention item) is one thread's sequential sum.
+THREAD_CAP: ContextVar[int | None] = ContextVar("strata_kernel_thread_cap", default=None)
 
 
-def set_thread_cap(cap: int | None) -> None:
-    """At most `cap` threads for the numba kernels (None: as many as torch's pool). Their results do
-    not depend on it: each output row (and each attention item) is one thread's sequential sum."""
-    global _thread_cap
-    _thread_cap = cap
-
-
-def thread_cap() -> int | None:
-    return _thread_cap
+@contextlib.contextmanager
+def thread_cap(cap: int | None) -> Iterator[None]:
+    """The numba kernels run on at most `cap` threads inside the block (this context only)."""
+    token = THREAD_CAP.set(cap)
+    try:
+        yield
+    finally:
+        THREAD_CAP.reset(token)
 
 
 def sync_threads() -> int:
@@ -169,8 +175,9 @@ def sync_threads() -> int:
     Called before every kernel (~150 times per decode step): numba.get_num_threads() costs ~2.5 us
     a call here, so the count this thread last set is remembered and only torch's is read."""
     threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
-    if _thread_cap is not None:
-        threads = max(1, min(threads, _thread_cap))
+    cap = THREAD_CAP.get()
+    if cap is not None:
+        threads = max(1, min(threads, cap))
     if getattr(_numba_threads, "value", None) != threads:
         numba.set_num_threads(threads)
         _numba_threads.value = threads

@@ -34,8 +34,6 @@ path, of quantize_activations_ref(x) instead of x).
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import torch
 
@@ -48,6 +46,7 @@ from strata.kernels.cpu_w8a8 import (  # noqa: F401
     int8_prefill_enabled,
 )
 from strata.kernels.dispatch import KERNEL_MODE, kernel
+from strata.settings import SETTINGS
 
 try:
     import numba
@@ -84,7 +83,7 @@ def int8_activations(rows: int, group_size: int) -> bool:
     """Whether an int4 GEMV over `rows` input rows runs the int8-activation (VNNI) kernel."""
     return (
         _VNNI and rows == 1 and group_size % 64 == 0
-        and os.environ.get("STRATA_INT4_FP32_ACTIVATIONS", "") in ("", "0")
+        and not SETTINGS.int4_fp32_activations
     )
 
 
@@ -96,7 +95,7 @@ def int8_int8(n_in: int) -> bool:
     int8 in groups of INT8_ACT_GROUP columns (STRATA_INT8_FP32_ACTIVATIONS=1 keeps fp32 inputs)."""
     return (
         _VNNI and n_in % INT8_ACT_GROUP == 0
-        and os.environ.get("STRATA_INT8_FP32_ACTIVATIONS", "") in ("", "0")
+        and not SETTINGS.int8_fp32_activations
     )
 
 

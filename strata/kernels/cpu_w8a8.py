@@ -31,13 +31,12 @@ requantize_int4_ref for an int4 weight, then dequantise + F.linear.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import torch
 
 from strata.errors import ConfigError
 from strata.kernels import cpu_gemv
+from strata.settings import SETTINGS
 
 try:
     import numba
@@ -58,8 +57,7 @@ _int8_scratch: list[np.ndarray] = []
 
 
 def _fp32_activations_asked(method: str) -> bool:
-    names = ("STRATA_INT8_FP32_ACTIVATIONS",) + (("STRATA_INT4_FP32_ACTIVATIONS",) if method == "int4" else ())
-    return any(os.environ.get(n, "") not in ("", "0") for n in names)
+    return SETTINGS.int8_fp32_activations or (method == "int4" and SETTINGS.int4_fp32_activations)
 
 
 def prefill_enabled(method: str) -> bool:
@@ -70,11 +68,11 @@ def prefill_enabled(method: str) -> bool:
     if numba is None or not hasattr(torch, "_int_mm") or _fp32_activations_asked(method):
         return False
     if method == "int8":
-        return os.environ.get(INT8_PREFILL_ENV, "") == "w8a8"
-    if os.environ.get(INT4_PREFILL_ENV, "w8a8") not in ("w8a8", "dequant", ""):
-        raise ConfigError(f"{INT4_PREFILL_ENV}={os.environ[INT4_PREFILL_ENV]!r}: choose w8a8 (int8 activations, "
+        return SETTINGS.int8_prefill == "w8a8"
+    if SETTINGS.int4_prefill not in ("w8a8", "dequant"):
+        raise ConfigError(f"{INT4_PREFILL_ENV}={SETTINGS.int4_prefill!r}: choose w8a8 (int8 activations, "
                           "the default) or dequant (int4 weights dequantised for the narrow weights' GEMM)")
-    return method == "int4" and has_ssse3() and os.environ.get(INT4_PREFILL_ENV, "w8a8") in ("w8a8", "")
+    return method == "int4" and has_ssse3() and SETTINGS.int4_prefill == "w8a8"
 
 
 def int8_prefill_enabled() -> bool:

@@ -11,7 +11,7 @@ under torch.profiler, each step inside a `strata::decode_step` range, and reads 
   kernels/dispatch.kernel, runs inside a record_function range of that name).
 - *Self time* of an event: its duration minus its children's, so self times never double count.
 - Figures are per decode step: an engine.step() call that runs several (multi-step decode,
-  engine/multi_step.py) counts as that many, so a step's host overhead includes its share of the
+  platform/multi_step.py) counts as that many, so a step's host overhead includes its share of the
   per-call work.
 - On CPU, *step time* is the wall time of the step ranges (engine.step(): schedule, forward,
   sample, outputs), summed over the profiled steps, and

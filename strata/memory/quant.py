@@ -24,7 +24,7 @@ import logging
 import torch
 from torch import nn
 
-from strata.kernels import cpu_quant, quant_formats
+from strata.kernels import ops, quant_formats
 from strata.kernels.linear import quant_linear, quant_swiglu
 from strata.memory.arena import rehome_in_arena
 
@@ -124,8 +124,9 @@ class QuantEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         head = self.head[0]
-        if self.dtype is torch.float32 and cpu_quant.usable(head.scale, head.qweight):
-            rows = cpu_quant.embedding_rows(head.method, head.qweight, head.scale, ids, head.group_size)
+        rows = None if self.dtype is not torch.float32 else ops.quant_embedding_rows(
+            head.method, head.qweight, head.scale, ids, head.group_size)
+        if rows is not None:
             return rows.view(*ids.shape, head.in_features)
         flat = ids.reshape(-1)
         q = head.qweight.index_select(0, flat)

@@ -173,12 +173,11 @@ def main(argv: list[str] | None = None) -> int:
     push.connect(args.outbox)
     try:
         from strata.config import EngineConfig
-        from strata.engine import decode_first
         from strata.engine.llm_engine import LLMEngine
 
-        engine = LLMEngine(EngineConfig(**json.loads(args.config)), detokenize=False)
+        # serving: the platform's policy tunes the prefill cap from the steps after the warm-up's
+        engine = LLMEngine(EngineConfig(**json.loads(args.config)), detokenize=False, workload="serving")
         warm = engine.warm_up()
-        decode_first.attach(engine)  # the prefill cap follows measured steps (after the warm-up's)
     except Exception as e:
         logger.error("engine failed to start:\n%s", traceback.format_exc())
         push.send(encode({"op": "fatal", "message": f"{type(e).__name__}: {e}"}))

@@ -14,13 +14,14 @@ bottlenecks; parsing costs nothing when the variable is absent. The keys:
 
 from __future__ import annotations
 
-import os
 from functools import cache
+
+from strata.settings import SETTINGS
 
 
 @cache
 def faults() -> dict[str, str]:
-    spec = os.environ.get("STRATA_TEST_FAULTS", "")
+    spec = SETTINGS.test_faults
     return dict(item.split("=", 1) for item in spec.split(",") if "=" in item)
 
 

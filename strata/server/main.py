@@ -29,6 +29,7 @@ from strata.errors import StrataError
 from strata.server import faults, procs, routes_ops
 from strata.server.app import ServerOptions, ServerState, build_app
 from strata.server.metrics import Metrics
+from strata.settings import SETTINGS
 from strata.text_table import fmt_bytes
 
 logger = logging.getLogger("strata.server")
@@ -88,7 +89,7 @@ class _BindError(logging.Filter):
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from strata.hardware.placement import server_layout
+    from strata.hardware.cores import server_layout
 
     engine_args = EngineArgs.from_cli_args(args)
     model = engine_args.model_path()
@@ -97,7 +98,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     opts = ServerOptions(
         served_model_name=(args.served_model_name or [""])[0], aliases=tuple(args.served_model_name or ())[1:],
         log_requests=not args.disable_log_requests,
-        api_key=args.api_key or os.environ.get("STRATA_API_KEY") or None,
+        api_key=args.api_key or SETTINGS.api_key,
         max_request_bytes=args.max_request_bytes, max_queue=args.max_queue, drain_timeout=args.drain_timeout,
         tokenizer_workers=args.tokenizer_workers, startup_timeout=args.startup_timeout,
     )
@@ -280,9 +281,11 @@ def startup_summary(info: dict, kwargs: dict, opts: ServerOptions, layout, model
 def gpu_device_checks(kwargs: dict, metrics: Metrics) -> list:
     """On CUDA only: the start-up checks that need no model (hardware/startup_checks.py), logged as
     warnings with the fix and exported as gauges; returns the GPUs' facts for the TF32 check."""
-    import torch
+    if not str(kwargs.get("device") or "cpu").startswith("cuda"):
+        return []  # (before importing torch: a CPU server's front end runs without it)
+    import torch  # reason: only a CUDA server's front end loads torch, for these checks
 
-    if not str(kwargs.get("device") or "cpu").startswith("cuda") or not torch.cuda.is_available():
+    if not torch.cuda.is_available():
         return []
     from strata.hardware import startup_checks
 

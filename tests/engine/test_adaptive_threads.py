@@ -8,9 +8,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from strata.engine import adaptive_threads
-from strata.engine.adaptive_threads import MAX_PERIOD_S, TRIAL_STEPS, AdaptiveThreads
 from strata.kernels import cpu_gemv
+from strata.platform import adaptive_threads
+from strata.platform.adaptive_threads import MAX_PERIOD_S, TRIAL_STEPS, AdaptiveThreads
 
 
 class FakeEngine:
@@ -23,7 +23,7 @@ class FakeEngine:
 
     def step(self, tuner: AdaptiveThreads, tokens_per_seq: int = 1, num_steps: int = 1, slow: float = 1.0) -> None:
         """One engine call: `num_steps` decode steps (multi-step decode), `slow` x their usual time."""
-        self.stage_seconds["forward"] += self.step_s[cpu_gemv.thread_cap()] * num_steps * slow
+        self.stage_seconds["forward"] += self.step_s[tuner.policy.kernel_threads] * num_steps * slow
         seqs = [SimpleNamespace(num_tokens=tokens_per_seq)]
         self.last_schedule = SimpleNamespace(scheduled=seqs, num_tokens=tokens_per_seq * len(seqs),
                                              num_steps=num_steps)
@@ -38,7 +38,6 @@ def two_threads(monkeypatch):
     monkeypatch.setattr(adaptive_threads.time, "monotonic", lambda: clock[0])
     yield clock
     torch.set_num_threads(before)
-    cpu_gemv.set_thread_cap(None)
 
 
 def _run(engine, tuner, clock, steps, **kw):
@@ -52,11 +51,11 @@ def test_contention_moves_to_fewer_threads_and_back(two_threads):
     engine = FakeEngine({2: 0.080, 1: 0.030})  # a competing process stalls the 2-thread barrier
     tuner = AdaptiveThreads(max_threads=2)
     _run(engine, tuner, clock, 40)
-    assert tuner.current == 1 and cpu_gemv.thread_cap() == 1
+    assert tuner.current == 1 and tuner.policy.kernel_threads == 1
     assert torch.get_num_threads() == 2  # torch's pool (prefill GEMMs) is never touched
     engine.step_s = {2: 0.020, 1: 0.035}  # the machine is quiet again: the probe upward wins
     _run(engine, tuner, clock, 60)
-    assert tuner.current == 2 and cpu_gemv.thread_cap() == 2 and tuner.switches == 2
+    assert tuner.current == 2 and tuner.policy.kernel_threads == 2 and tuner.switches == 2
 
 
 def test_a_slowdown_triggers_a_trial_at_once(two_threads):
@@ -77,7 +76,7 @@ def test_quiet_machine_keeps_the_configured_count_and_probes_rarely(two_threads)
     _run(engine, tuner, clock, 6000)  # 600 s of steps
     assert tuner.current == 2 and tuner.switches == 0
     assert 1 <= tuner.trials <= 600 / MAX_PERIOD_S + 5  # a fixed 2 s period would be ~300 probes
-    assert cpu_gemv.thread_cap() in (1, 2)  # at most a TRIAL_STEPS probe in flight
+    assert tuner.policy.kernel_threads in (1, 2)  # at most a TRIAL_STEPS probe in flight
 
 
 def test_a_trial_that_starts_far_slower_is_given_up_after_one_call(two_threads):
@@ -89,9 +88,9 @@ def test_a_trial_that_starts_far_slower_is_given_up_after_one_call(two_threads):
     while tuner.trial is None:
         clock[0] += 0.1
         engine.step(tuner)
-    assert cpu_gemv.thread_cap() == 1
+    assert tuner.policy.kernel_threads == 1
     engine.step(tuner)
-    assert tuner.trial is None and tuner.given_up == 1 and tuner.current == 2 and cpu_gemv.thread_cap() == 2
+    assert tuner.trial is None and tuner.given_up == 1 and tuner.current == 2 and tuner.policy.kernel_threads == 2
     assert tuner.period == 2 * adaptive_threads.PERIOD_S
     engine.step_s = {2: 0.020, 1: 0.024}  # a trial that is not clearly worse goes on measuring
     clock[0] += tuner.period + 1
@@ -118,13 +117,10 @@ def test_the_kernel_cap_does_not_change_results(two_threads):
     """Why it may be on by default: a decode GEMV gives the same bits on 1 and 2 threads."""
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(3, 200, generator=g), torch.randn(301, 200, generator=g)
-    try:
-        cpu_gemv.set_thread_cap(1)
+    with cpu_gemv.thread_cap(1):
         one = cpu_gemv.gemv(x, w)
-        cpu_gemv.set_thread_cap(2)
+    with cpu_gemv.thread_cap(2):
         two = cpu_gemv.gemv(x, w)
-    finally:
-        cpu_gemv.set_thread_cap(None)
     assert torch.equal(one, two)
 
 
@@ -135,15 +131,15 @@ def test_an_engine_does_not_leak_its_kernel_cap(tiny_models, llm_factory, prompt
 
     monkeypatch.delenv("STRATA_ADAPTIVE_THREADS", raising=False)
     llm = llm_factory(tiny_models["llama"], num_threads=2)
-    tuner = llm.engine._threads
-    assert tuner is not None and cpu_gemv.thread_cap() is None
+    tuner = llm.engine.policy.tuner(AdaptiveThreads)
+    assert tuner is not None and cpu_gemv.THREAD_CAP.get() is None
     seen = []
     monkeypatch.setattr(cpu_gemv, "sync_threads", lambda real=cpu_gemv.sync_threads: seen.append(
-        cpu_gemv.thread_cap()) or real())
+        cpu_gemv.THREAD_CAP.get()) or real())
     llm.generate([{"prompt_token_ids": prompt_of(1, 6)}], SamplingParams(max_tokens=4, temperature=0.0),
                  use_tqdm=False)
     assert seen and set(seen) == {tuner.cap}  # every kernel of its steps ran under its cap
-    assert cpu_gemv.thread_cap() is None  # and nothing is left behind
+    assert cpu_gemv.THREAD_CAP.get() is None  # and nothing is left behind
 
 
 def test_multi_step_calls_are_one_sample_each(two_threads):

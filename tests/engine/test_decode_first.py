@@ -9,22 +9,23 @@ from types import SimpleNamespace
 
 import pytest
 
-from strata.engine import decode_first
-from strata.engine.decode_first import LIMIT_STEP_S, MIN_BLOCKS, MIN_SHARE, AdaptivePrefillCap
+from strata.platform import decode_first
+from strata.platform.decode_first import LIMIT_STEP_S, MIN_BLOCKS, MIN_SHARE, AdaptivePrefillCap
+from strata.platform.policy import StepPolicy
 
 BLOCK = 16
 
 
 class FakeEngine:
-    """stage_seconds / last_schedule as LLMEngine exposes them; a step costs decode_s plus token_s
-    per prefill token."""
+    """stage_seconds / last_schedule / policy as LLMEngine exposes them; a step costs decode_s plus
+    token_s per prefill token."""
 
     def __init__(self, cap: int = 64) -> None:
-        self.scheduler = SimpleNamespace(max_prefill_tokens_while_decoding=cap, max_num_batched_tokens=2048)
+        self.policy = StepPolicy(prefill_cap=cap)
         self.stage_seconds = {"forward": 0.0}
         self.last_schedule = None
+        self.warming_up = False
         self.config = SimpleNamespace(device="cpu", block_size=BLOCK, max_prefill_tokens_while_decoding=None)
-        self.step_observers = []
 
     def step(self, rows: int, prefill: int, decode_s: float, token_s: float) -> None:
         scheduled = [SimpleNamespace(num_tokens=1, draft=[]) for _ in range(rows)]
@@ -32,12 +33,11 @@ class FakeEngine:
             scheduled.append(SimpleNamespace(num_tokens=prefill, draft=[]))
         self.stage_seconds["forward"] += decode_s + token_s * prefill
         self.last_schedule = SimpleNamespace(scheduled=scheduled, num_steps=1)
-        for observe in self.step_observers:
-            observe(self)
+        self.policy.observe(self)
 
     @property
     def cap(self) -> int:
-        return self.scheduler.max_prefill_tokens_while_decoding
+        return self.policy.prefill_cap
 
 
 def _serve(engine, steps: int, rows: int, decode_s: float, token_s: float) -> None:
@@ -53,14 +53,14 @@ def _fits(decode_s: float, token_s: float) -> int:
 
 def test_a_fast_machine_keeps_the_start_up_cap():
     engine = FakeEngine(cap=64)
-    assert decode_first.attach(engine) is not None
+    assert decode_first.add_tuner(engine.policy, engine.config) is not None
     _serve(engine, 60, rows=16, decode_s=0.080, token_s=0.0015)  # 64 tokens: a 0.176 s step
     assert engine.cap == 64
 
 
 def test_a_slow_machine_lowers_the_cap_until_it_is_fast_again():
     engine = FakeEngine(cap=64)
-    decode_first.attach(engine)
+    decode_first.add_tuner(engine.policy, engine.config)
     _serve(engine, 30, rows=16, decode_s=0.080, token_s=0.0015)
     _serve(engine, 60, rows=16, decode_s=0.110, token_s=0.0030)  # another VM took the bandwidth
     assert engine.cap == _fits(0.110, 0.0030) == 32
@@ -72,7 +72,7 @@ def test_a_slow_machine_lowers_the_cap_until_it_is_fast_again():
 def test_a_slow_decode_batch_still_admits_prompts():
     """A decode step past the limit alone: the prefill still gets MIN_SHARE of its time."""
     engine = FakeEngine(cap=128)
-    decode_first.attach(engine)
+    decode_first.add_tuner(engine.policy, engine.config)
     _serve(engine, 60, rows=64, decode_s=0.300, token_s=0.002)
     assert engine.cap == _fits(0.300, 0.002) == 64
     _serve(engine, 60, rows=64, decode_s=0.300, token_s=0.050)  # even a very slow prefill moves
@@ -81,16 +81,24 @@ def test_a_slow_decode_batch_still_admits_prompts():
 
 def test_steps_without_decoding_rows_teach_nothing():
     engine = FakeEngine(cap=64)
-    tuner = decode_first.attach(engine)
+    tuner = decode_first.add_tuner(engine.policy, engine.config)
     for _ in range(10):
         engine.step(0, 512, 0.0, 0.01)  # prefill-only steps are not capped
     assert tuner.token_s is None and not tuner.decode_s
     assert engine.cap == 64
 
 
+def test_warm_up_steps_teach_nothing():
+    """The server's engine has the tuner from its build; the warm-up's steps are not its traffic."""
+    engine = FakeEngine(cap=64)
+    tuner = decode_first.add_tuner(engine.policy, engine.config)
+    engine.warming_up = True
+    _serve(engine, 30, rows=16, decode_s=0.110, token_s=0.0030)
+    assert tuner.token_s is None and not tuner.decode_s and engine.cap == 64
+
+
 def test_a_mixed_step_is_priced_at_the_nearest_decode_batch():
-    tuner = AdaptivePrefillCap(SimpleNamespace(max_prefill_tokens_while_decoding=64, max_num_batched_tokens=2048),
-                               BLOCK)
+    tuner = AdaptivePrefillCap(StepPolicy(prefill_cap=64), BLOCK)
     tuner.observe(4, 0, 0.030)
     tuner.observe(16, 0, 0.080)
     tuner.observe(15, 32, 0.080 + 32 * 0.002)  # 15 rows: priced at 16's decode time
@@ -105,10 +113,10 @@ def test_attached_only_where_it_applies(why, monkeypatch):
     elif why == "user cap":
         engine.config.max_prefill_tokens_while_decoding = 64
     elif why == "no cap":
-        engine.scheduler.max_prefill_tokens_while_decoding = None
+        engine.policy.prefill_cap = None
     else:
         monkeypatch.setenv(decode_first.ENV, "0")
-    assert decode_first.attach(engine) is None and engine.step_observers == []
+    assert decode_first.add_tuner(engine.policy, engine.config) is None and engine.policy.tuners == []
 
 
 def test_offline_engines_prefill_uncapped_unless_told():
@@ -118,12 +126,12 @@ def test_offline_engines_prefill_uncapped_unless_told():
 
     llm = LLM(None, dtype="float32", max_model_len=256, kv_cache_memory="8MiB")
     try:
-        assert not any(isinstance(o, AdaptivePrefillCap) for o in llm.engine.step_observers)
-        assert llm.engine.scheduler.max_prefill_tokens_while_decoding is None
+        assert llm.engine.policy.tuner(AdaptivePrefillCap) is None
+        assert llm.engine.scheduler.policy.prefill_cap is None
     finally:
         llm.engine.close()
     llm = LLM(None, dtype="float32", max_model_len=256, kv_cache_memory="8MiB", max_prefill_tokens_while_decoding=48)
     try:
-        assert llm.engine.scheduler.max_prefill_tokens_while_decoding == 48
+        assert llm.engine.scheduler.policy.prefill_cap == 48
     finally:
         llm.engine.close()

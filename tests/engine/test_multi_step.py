@@ -1,4 +1,4 @@
-"""Multi-step decode (engine/multi_step.py): several decode steps per scheduler call give exactly
+"""Multi-step decode (platform/multi_step.py): several decode steps per scheduler call give exactly
 the outputs of one step per call (greedy, seeded and unseeded sampling, logprobs, penalties, stop
 tokens, max_tokens and max_model_len), in every family and weight format; the scheduler runs them
 only when every sequence is a plain decode, nobody waits and the blocks are there; the automatic
@@ -14,32 +14,35 @@ import torch
 from conftest import FAMILIES, assert_engine_clean, make_llm
 
 from strata import SamplingParams
-from strata.engine import multi_step
 from strata.engine.lifecycle import SequenceLifecycle
 from strata.engine.request import Request
 from strata.engine.scheduler import Scheduler
 from strata.errors import ConfigError
-from strata.graph import cpu_decode
 from strata.memory.blocks import BlockManager
+from strata.platform import multi_step
+from strata.platform.cpu_decode_step import EmbeddingLookup
+from strata.platform.policy import StepPolicy
 
 LENGTHS = (3, 11, 26, 80)  # the last reaches max_model_len (96) before its max_tokens
 
 
 def _generate(model, prompts, params, **kw):
     """(per prompt: tokens, finish reason, logprobs), the steps each scheduler call ran, and how
-    many steps continued the fused CPU step (ModelRunner.execute_next -> CausalLM.decode_next)."""
+    many steps continued the fused CPU step (ModelRunner.execute_next -> the decode step's next)."""
     llm = make_llm(model, **kw)
     try:
         eng = llm.engine
         runs, fused = [], []
         eng.step_observers.append(lambda e: runs.append(e.last_schedule.num_steps))
-        decode_next = getattr(eng.model, "decode_next", None)
-        if decode_next is not None:
+        step = eng.runner.decode_step
+        if step is not None:
+            decode_next = step.next
+
             def counting(*args):
                 hidden = decode_next(*args)
                 fused.append(hidden is not None)
                 return hidden
-            eng.model.decode_next = counting
+            step.next = counting
         outs = llm.generate(prompts, params, use_tqdm=False)
         assert_engine_clean(llm)
         got = [(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].logprobs) for o in outs]
@@ -63,7 +66,7 @@ def test_greedy_equals_one_step_per_call(tiny_models, family):
     assert got == want
     assert set(runs1) == {1} and max(runs) == 4  # it did run several steps per call
     assert want[3][1] == "length" and len(want[3][0]) == 96 - LENGTHS[3]  # max_model_len bounded it
-    if family != "qwen3":  # q/k norms: the eager layers (graph/cpu_decode.py), no fused step to continue
+    if family != "qwen3":  # q/k norms: the eager layers (platform/cpu_layers.py), no fused step to continue
         assert fused > 0
 
 
@@ -95,13 +98,13 @@ def test_quantized_weights_equal(tiny_models, quantization):
 @pytest.mark.parametrize("quantization", [None, "int8", "int4", "bf16"])
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_fused_embedding_lookup_equals_the_module(tiny_models, family, quantization):
-    """The fused step's numpy embedding lookup (cpu_decode._embedder) gives the module's rows exactly,
+    """The fused step's numpy embedding lookup (cpu_decode_step.EmbeddingLookup) gives the module's rows exactly,
     for the plain, bf16-widened and quantised tied embeddings."""
     llm = make_llm(tiny_models[family], quantization=quantization)
     try:
         embed = llm.engine.model.embed_tokens
         ids = np.array([0, 5, 17, tiny_models[family].vocab_size - 1, 5], np.int64)
-        got = cpu_decode._embedder(embed)(ids)
+        got = EmbeddingLookup(embed)(ids)
         with torch.inference_mode():
             want = embed(torch.from_numpy(ids)).numpy()
         assert got.dtype == np.float32 and np.array_equal(got, want)
@@ -111,8 +114,7 @@ def test_fused_embedding_lookup_equals_the_module(tiny_models, family, quantizat
 
 def _scheduler(num_blocks=64, lookahead=4, max_len=1000):
     sched = Scheduler(BlockManager(num_blocks, 4), max_num_seqs=8, max_num_batched_tokens=256,
-                      lifecycle=SequenceLifecycle(max_model_len=max_len))
-    sched.lookahead = lookahead
+                      lifecycle=SequenceLifecycle(max_model_len=max_len), policy=StepPolicy(lookahead=lookahead))
     return sched
 
 
@@ -149,7 +151,7 @@ def test_scheduler_runs_one_step_when_it_must(case):
 
 
 def test_auto_steps_follow_the_measured_step_time():
-    sched = SimpleNamespace(lookahead=1)
+    sched = StepPolicy()  # what the scheduler reads
     tuner = multi_step.AutoSteps(sched)
     eng = SimpleNamespace(stage_seconds={"schedule": 0.0, "forward": 0.0, "sample": 0.0}, last_schedule=None)
 
@@ -178,9 +180,9 @@ def test_auto_only_where_it_applies(llama):
     for kw, on in (({}, True), ({"num_scheduler_steps": 3}, False), ({"speculative_model": "ngram"}, False)):
         llm = make_llm(llama, **kw)
         try:
-            tuners = [o for o in llm.engine.step_observers if isinstance(o, multi_step.AutoSteps)]
+            tuners = [o for o in llm.engine.policy.tuners if isinstance(o, multi_step.AutoSteps)]
             assert bool(tuners) == on
-            assert llm.engine.scheduler.lookahead == kw.get("num_scheduler_steps", 1)
+            assert llm.engine.scheduler.policy.lookahead == kw.get("num_scheduler_steps", 1)
         finally:
             llm.close()
 
@@ -220,8 +222,16 @@ def test_fused_embedding_lookup_follows_a_replaced_weight(llama):
     try:
         embed = llm.engine.model.embed_tokens
         ids = np.array([3, 9], np.int64)
-        cpu_decode._embedder(embed)(ids)
+        lookup = EmbeddingLookup(embed)
+        lookup(ids)
         embed.weight = torch.nn.Parameter(embed.weight.detach() * 2, requires_grad=False)
-        assert np.array_equal(cpu_decode._embedder(embed)(ids), embed.weight.detach().numpy()[ids])
+        assert np.array_equal(lookup(ids), embed.weight.detach().numpy()[ids])
     finally:
         llm.close()
+
+
+def test_the_flag_help_states_the_cap():
+    from strata.engine.args import FLAGS
+
+    flag = next(f for f in FLAGS if f.field == "num_scheduler_steps")
+    assert f"at most {multi_step.MAX_STEPS};" in flag.default_text

@@ -18,6 +18,7 @@ from strata.engine.request import Request, SeqStatus, Sequence
 from strata.engine.sampler import SamplerOutput
 from strata.engine.scheduler import Scheduler
 from strata.memory.blocks import BlockManager
+from strata.platform.policy import StepPolicy
 from strata.protocol.sampling_params import SamplingParams
 
 
@@ -29,7 +30,7 @@ class Sim:
                  decode_first: int | None = None):
         self.bm = BlockManager(num_blocks, block_size)
         self.sched = Scheduler(self.bm, max_num_seqs, budget, lifecycle=SequenceLifecycle(max_model_len=max_len),
-                               max_prefill_tokens_while_decoding=decode_first)
+                               policy=StepPolicy(prefill_cap=decode_first))
         self.max_len = max_len
         self.requests: dict[str, Request] = {}
         self.req_ids = itertools.count()

@@ -1,4 +1,4 @@
-"""The fused CPU decode layer (graph/cpu_decode.py, kernels/cpu_decode_layer.py) against the eager
+"""The fused CPU decode layer (platform/cpu_decode_step.py, kernels/cpu_decode_layer.py) against the eager
 per-kernel path it replaces (STRATA_FUSED_DECODE=0): same tokens, same logprobs, for every
 family and weight format, and it runs where it should (and only there). The eager path itself is
 held to transformers by tests/engine/test_engine_vs_hf.py, which runs with the fused layer on."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from strata import SamplingParams
-from strata.graph import cpu_decode
 from strata.kernels import cpu_decode_layer
+from strata.platform import cpu_decode_step as cpu_decode
 
 pytestmark = pytest.mark.skipif(not cpu_decode_layer.available(), reason="numba is not installed")
 

@@ -19,8 +19,7 @@ import pytest
 
 from strata import SamplingParams
 from strata.errors import ConfigError, ModelLoadError
-from strata.graph.hub import HUB_FILES, hub_cache_dir, is_hub_id, resolve_model
-from strata.graph.loader import check_model_dir
+from strata.graph.hub import HUB_FILES, check_model_dir, hub_cache_dir, is_hub_id, resolve_model
 
 COMMIT_MAIN = "a" * 40
 COMMIT_V1 = "b" * 40

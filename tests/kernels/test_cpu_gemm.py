@@ -6,10 +6,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from strata.errors import ConfigError
-from strata.hardware import dtype_policy
 from strata.hardware.profile import HardwareProfile
 from strata.kernels import cpu_gemm, cpu_quant, quant_formats
 from strata.kernels.linear import linear
+from strata.platform import cpu_policy
 
 needs_onednn = pytest.mark.skipif(not cpu_gemm.onednn_available(), reason="torch built without oneDNN")
 
@@ -79,31 +79,31 @@ def _profile(gemm: dict) -> HardwareProfile:
 
 def test_prefill_gemm_policy_by_measurement():
     amd = _profile({"float32": 200.0, "float32_onednn": 450.0, "bfloat16": 970.0})
-    assert dtype_policy.prefill_gemms(amd)[:2] == ("onednn", "bf16")
+    assert cpu_policy.prefill_gemms(amd)[:2] == ("onednn", "bf16")
     mkl_wins = _profile({"float32": 300.0, "float32_onednn": 290.0, "bfloat16": 310.0})  # no bf16 edge
-    assert dtype_policy.prefill_gemms(mkl_wins)[:2] == ("aten", "aten")
+    assert cpu_policy.prefill_gemms(mkl_wins)[:2] == ("aten", "aten")
     no_onednn = _profile({"float32": 200.0, "bfloat16": 60.0})  # AVX2: slow bf16, no oneDNN figure
-    fp32, narrow, why = dtype_policy.prefill_gemms(no_onednn)
+    fp32, narrow, why = cpu_policy.prefill_gemms(no_onednn)
     assert (fp32, narrow) == ("aten", "aten") and "fp32 weights aten" in why
 
 
 @pytest.mark.skipif(not (cpu_quant.available() and hasattr(torch, "_int_mm")), reason="needs numba and torch._int_mm")
 def test_int8_prefill_gemm_by_measurement_and_switches(monkeypatch):
     fast = _profile({"float32": 200.0, "float32_onednn": 450.0, "bfloat16": 400.0, "int8_int8": 800.0})
-    path, why = dtype_policy.int8_prefill_gemm(fast, "bf16")
+    path, why = cpu_policy.int8_prefill_gemm(fast, "bf16")
     assert path == "bf16" and "STRATA_INT8_PREFILL=w8a8" in why  # opt-in
     monkeypatch.setenv("STRATA_INT8_PREFILL", "w8a8")
     fast = _profile({"float32": 200.0, "float32_onednn": 450.0, "bfloat16": 400.0, "int8_int8": 800.0})
-    assert dtype_policy.int8_prefill_gemm(fast, "bf16")[0] == "int8"
+    assert cpu_policy.int8_prefill_gemm(fast, "bf16")[0] == "int8"
     slow = _profile({"float32": 200.0, "bfloat16": 400.0, "int8_int8": 420.0})  # within the margin: not worth it
-    assert dtype_policy.int8_prefill_gemm(slow, "bf16")[0] == "bf16"
-    assert dtype_policy.int8_prefill_gemm(_profile({"bfloat16": 400.0}), "bf16")[0] == "bf16"  # unmeasured
+    assert cpu_policy.int8_prefill_gemm(slow, "bf16")[0] == "bf16"
+    assert cpu_policy.int8_prefill_gemm(_profile({"bfloat16": 400.0}), "bf16")[0] == "bf16"  # unmeasured
     for forced in ("aten", "bf16"):
         monkeypatch.setenv("STRATA_PREFILL_GEMM", forced)
-        assert dtype_policy.int8_prefill_gemm(fast, forced)[0] == forced
+        assert cpu_policy.int8_prefill_gemm(fast, forced)[0] == forced
     monkeypatch.delenv("STRATA_PREFILL_GEMM")
     monkeypatch.setenv("STRATA_INT8_FP32_ACTIVATIONS", "1")
-    path, why = dtype_policy.int8_prefill_gemm(fast, "bf16")
+    path, why = cpu_policy.int8_prefill_gemm(fast, "bf16")
     assert path == "bf16" and "STRATA_INT8_FP32_ACTIVATIONS" in why
 
 
@@ -112,15 +112,15 @@ def test_int4_prefill_gemm_is_w8a8_by_default_where_it_measures_faster(monkeypat
     from strata.kernels import cpu_simd
 
     fast = _profile({"float32": 200.0, "float32_onednn": 450.0, "bfloat16": 400.0, "int8_int8": 800.0})
-    path, why = dtype_policy.int8_prefill_gemm(fast, "bf16", "int4")
+    path, why = cpu_policy.int8_prefill_gemm(fast, "bf16", "int4")
     assert path == ("int8" if cpu_simd.has_ssse3() else "bf16") and "int4" in why
     slow = _profile({"float32": 200.0, "bfloat16": 400.0, "int8_int8": 420.0})
-    assert dtype_policy.int8_prefill_gemm(slow, "bf16", "int4")[0] == "bf16"
+    assert cpu_policy.int8_prefill_gemm(slow, "bf16", "int4")[0] == "bf16"
     for env, value in (("STRATA_INT4_PREFILL", "dequant"), ("STRATA_INT4_FP32_ACTIVATIONS", "1"),
                        ("STRATA_PREFILL_GEMM", "bf16")):
         with monkeypatch.context() as m:
             m.setenv(env, value)
-            assert dtype_policy.int8_prefill_gemm(fast, "bf16", "int4")[0] == "bf16"
+            assert cpu_policy.int8_prefill_gemm(fast, "bf16", "int4")[0] == "bf16"
 
 
 def test_mark_gives_int8_weights_their_path_and_fallback():
@@ -141,12 +141,12 @@ def test_mark_gives_int8_weights_their_path_and_fallback():
 def test_prefill_gemm_override(monkeypatch):
     amd = _profile({"float32": 200.0, "float32_onednn": 450.0, "bfloat16": 970.0})
     monkeypatch.setenv("STRATA_PREFILL_GEMM", "aten")  # exact everywhere, whatever was measured
-    assert dtype_policy.prefill_gemms(amd)[:2] == ("aten", "aten")
+    assert cpu_policy.prefill_gemms(amd)[:2] == ("aten", "aten")
     monkeypatch.setenv("STRATA_PREFILL_GEMM", "bf16")
-    assert dtype_policy.prefill_gemms(_profile({"float32": 300.0, "bfloat16": 100.0}))[:2] == ("aten", "bf16")
+    assert cpu_policy.prefill_gemms(_profile({"float32": 300.0, "bfloat16": 100.0}))[:2] == ("aten", "bf16")
     monkeypatch.setenv("STRATA_PREFILL_GEMM", "fast")
     with pytest.raises(ConfigError, match="STRATA_PREFILL_GEMM='fast'.*choose auto"):
-        dtype_policy.prefill_gemms(amd)
+        cpu_policy.prefill_gemms(amd)
 
 
 @pytest.mark.parametrize("method,group", [("int8", 0), ("int4", 32), ("int4", 64), ("int4", 128)])

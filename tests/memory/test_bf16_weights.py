@@ -20,12 +20,12 @@ from safetensors.torch import load_file, save_file
 from strata.config import EngineConfig
 from strata.errors import ConfigError
 from strata.graph.loader import load_model
-from strata.hardware import dtype_policy
 from strata.kernels import cpu_gemm
 from strata.memory.bf16_weights import WidenedEmbedding, narrow_model
 from strata.memory.planner import weight_bytes
 from strata.memory.quant import model_weight_bytes
 from strata.model_config import ModelConfig
+from strata.platform import cpu_policy
 
 PROJ = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
@@ -119,13 +119,13 @@ def test_auto_policy_by_measurement():
         linear_gbs={"float32": 30.0, "bfloat16": 29.0}, matmul_gflops={"float32": 60.0, "bfloat16": 60.0},
         torch_version=torch.__version__, gemm_gflops={"float32": 200.0, "bfloat16": 900.0},
     )
-    use, prefill, why = dtype_policy.bf16_storage(base, torch.bfloat16)
+    use, prefill, why = cpu_policy.bf16_storage(base, torch.bfloat16)
     assert use and prefill == "bf16" and "1.93x tokens/s" in why
     slow_gemm = replace(base, gemm_gflops={"float32": 200.0, "bfloat16": 60.0})  # no bf16 arithmetic (AVX2)
-    assert dtype_policy.bf16_storage(slow_gemm, torch.bfloat16)[:2] == (True, "fp32")
+    assert cpu_policy.bf16_storage(slow_gemm, torch.bfloat16)[:2] == (True, "fp32")
     slow_gemv = replace(base, linear_gbs={"float32": 30.0, "bfloat16": 14.0})  # no narrow-reading GEMV
-    assert dtype_policy.bf16_storage(slow_gemv, torch.bfloat16)[0] is False
-    use, _, why = dtype_policy.bf16_storage(base, torch.float32)  # rounding an fp32 checkpoint: never automatic
+    assert cpu_policy.bf16_storage(slow_gemv, torch.bfloat16)[0] is False
+    use, _, why = cpu_policy.bf16_storage(base, torch.float32)  # rounding an fp32 checkpoint: never automatic
     assert not use and "not bf16" in why
 
 

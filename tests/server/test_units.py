@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from strata.hardware.placement import server_layout
+from strata.hardware.cores import server_layout
 from strata.protocol.sampling_params import SamplingParams
 from strata.protocol.wire import decode, encode, params_from_dict, params_to_dict
 

@@ -18,8 +18,9 @@ a leaf for that tracer (torch.fx.wrap below). Run-time kernel choices (the CPU k
 backend's fused rotary + KV write + decode) ask kernels/dispatch.py's mode first, so the tracer
 gets the torch reference paths without patching anything. Forwards hold the trace gate
 (graph/trace_gate.py) shared: FX tracing patches torch.nn.Module.__call__ process-wide while it
-runs, and so waits for them. A CPU decode step of few fp32 rows runs each Llama-shaped layer
-as one numba call (graph/cpu_decode.py): the same kernels without the per-kernel Python.
+runs, and so waits for them. The model is a plain module with no state between calls: the
+platform's decode step (platform/cpu_decode_step.py on CPU: each Llama-shaped layer as one numba
+call) runs all-decode steps beside it, from these same modules and weights.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from strata.graph.cpu_decode import FusedDecodeStep
 from strata.graph.layers import (
     GatedMLP,
     GemmaRMSNorm,
@@ -124,8 +124,6 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    one_call_decode = True  # graph/cpu_decode.py may run this layer's CPU decode in one call
-
     def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -183,9 +181,6 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(layer_cls(cfg, i) for i in range(cfg.num_layers))
         self.norm = _norm(cfg, cfg.hidden_size)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        # the fused CPU decode step runs the head beside the final norm (compute_logits takes its
-        # logits); the planner's decode probe turns this off to time the layers and the head apart
-        self.fused_head = True
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -208,43 +203,20 @@ class CausalLM(nn.Module):
         if self.config.embed_scale is not None:  # Gemma: the scale in the weights' dtype, as transformers
             x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
         residual = None
-        fused = FusedDecodeStep.start(self, x, meta, kv_caches)  # CPU decode: the layers in one loop
-        out = None if fused is None else fused.run(self, x, positions, kv_caches)
-        self.__dict__["_fused_last"] = None
-        if out is not None:
-            done = fused.finish(self, self.norm, self.lm_head if self.fused_head else None)  # on the step's buffers too
-            if done is not None:
-                self.__dict__["_fused_last"] = fused  # what decode_next continues
-                return self._fused_hidden(*done)
-            x, residual = out
-        else:
-            rope = self.rotary(positions, x.dtype)
-            local = self.rotary_local(positions, x.dtype) if self.rotary_local is not None else rope
-            for i, layer in enumerate(self.layers):
-                layer_rope = local if i in self.local_layers else rope
-                cache = None if kv_caches is None else kv_caches[i]
-                x, residual = layer(x, residual, layer_rope, meta, cache)
+        rope = self.rotary(positions, x.dtype)
+        local = self.rotary_local(positions, x.dtype) if self.rotary_local is not None else rope
+        for i, layer in enumerate(self.layers):
+            layer_rope = local if i in self.local_layers else rope
+            cache = None if kv_caches is None else kv_caches[i]
+            x, residual = layer(x, residual, layer_rope, meta, cache)
         x, _ = self.norm(x, residual)
         return x
 
-    def _fused_hidden(self, hidden: torch.Tensor, logits: torch.Tensor | None) -> torch.Tensor:
-        # compute_logits(hidden) takes these: the head ran in the norm's compiled call
-        self.__dict__["_fused_logits"] = None if logits is None else (hidden, logits)
-        return hidden
-
-    def decode_next(self, ids, positions, slots, lens) -> torch.Tensor | None:
-        """Hidden states of the decode step right after a forward that ran fused (graph/cpu_decode.py):
-        the same sequences, one position on (multi-step decode: engine/runner.execute_next), without
-        that forward's checks and argument building; None when the last forward did not run fused
-        (the caller runs the forward). Arguments: int64 numpy arrays, one entry per row (token ids,
-        positions, KV cache slots, context lengths)."""
-        fused = self.__dict__.get("_fused_last")
-        if fused is None:
-            return None
-        return self._fused_hidden(*fused.next(self, ids, positions, slots, lens))
-
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        fused = self.__dict__.pop("_fused_logits", None)  # the fused decode step's, for this hidden
-        logits = fused[1] if fused is not None and fused[0] is hidden else self.lm_head(hidden)
+        return self.cap_logits(self.lm_head(hidden))
+
+    def cap_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The LM head's logits as the model gives them: Gemma's final soft-capping, else as they are
+        (a decode step that ran the head itself hands its logits here)."""
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap

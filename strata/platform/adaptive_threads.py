@@ -13,8 +13,8 @@ doubling after every trial that changed nothing up to MAX_PERIOD_S, so a quiet m
 probe about every half minute, not every 2 s; a trial whose first call already runs GIVE_UP x
 slower than the current count is ended there (on a quiet machine: one slow call, not 6+ steps).
 
-What it changes: only the numba kernels' thread cap (kernels/cpu_gemv.set_thread_cap), never
-torch's pool. Those kernels' results do not depend on the thread count (each output row is one
+What it changes: only the numba kernels' thread cap (the engine's StepPolicy.kernel_threads, which
+the engine applies around its own steps: kernels/cpu_gemv.THREAD_CAP), never torch's pool. Those kernels' results do not depend on the thread count (each output row is one
 thread's sequential sum), so outputs stay bitwise reproducible; torch's own ops (the prefill GEMMs,
 whose reduction splits would change) keep the configured count.
 """
@@ -25,8 +25,8 @@ import logging
 import statistics
 import time
 
-from strata.env_switch import switched_off
-from strata.kernels import cpu_gemv
+from strata.platform.policy import StepPolicy
+from strata.settings import SETTINGS
 
 logger = logging.getLogger(__name__)
 
@@ -45,13 +45,15 @@ GIVE_UP = 1.3
 
 
 def enabled() -> bool:
-    return not switched_off(ENV)
+    return SETTINGS.adaptive_threads
 
 
 class AdaptiveThreads:
-    """A step observer (engine.step_observers): times decode-only steps per thread count."""
+    """A tuner of the engine's StepPolicy: times decode-only steps per thread count and sets
+    policy.kernel_threads."""
 
-    def __init__(self, max_threads: int) -> None:
+    def __init__(self, max_threads: int, policy: StepPolicy | None = None) -> None:
+        self.policy = policy if policy is not None else StepPolicy()
         self.max_threads = max_threads
         self.current = max_threads
         self.trial: int | None = None
@@ -64,24 +66,12 @@ class AdaptiveThreads:
         self.switches = 0
         self.trials = 0
         self.given_up = 0  # trials ended after their first call (GIVE_UP)
-        cpu_gemv.set_thread_cap(max_threads)
+        self.policy.kernel_threads = max_threads
 
     @property
     def cap(self) -> int:
         """The kernel thread count this engine's next step runs with (a trial's, or the kept one)."""
         return self.trial if self.trial is not None else self.current
-
-    def apply(self) -> None:
-        """Before a step: the cap is process-wide, and other engines (or the planner's measurements)
-        in this process must not inherit it, so the engine sets it per step and releases it after."""
-        cpu_gemv.set_thread_cap(self.cap)
-
-    @staticmethod
-    def release() -> None:
-        cpu_gemv.set_thread_cap(None)
-
-    def close(self) -> None:
-        self.release()
 
     def __call__(self, engine) -> None:
         forward = engine.stage_seconds["forward"]
@@ -122,7 +112,7 @@ class AdaptiveThreads:
         self.trial = other
         self.trials += 1
         self._clear(other)
-        cpu_gemv.set_thread_cap(other)
+        self.policy.kernel_threads = other
 
     def _clear(self, n: int) -> None:
         self.samples[n], self._steps[n] = [], []
@@ -145,7 +135,7 @@ class AdaptiveThreads:
             self.period = PERIOD_S
         else:
             self.period = min(MAX_PERIOD_S, self.period * 2)
-        cpu_gemv.set_thread_cap(self.current)
+        self.policy.kernel_threads = self.current
         self._clear(cur if self.current == trial else trial)
         self._clear(self.current)  # the next best is measured afresh
         self.best = None

@@ -8,8 +8,8 @@ positions (ModelRunner.execute_next), and every token is still sampled, stop-che
 detokenised as it comes (LLMEngine._more_steps). The tokens are the same as one step per call;
 they reach the caller in bursts.
 
-`num_scheduler_steps` fixes the count (1 = off). Unset, on CPU, a step observer sizes it from
-the engine's own decode steps: as many as fit BURST_S at the measured per-step time, at most
+`num_scheduler_steps` fixes the count (1 = off). Unset, on CPU, a tuner of the engine's StepPolicy
+(platform/policy.py) sizes it from the engine's own decode steps: as many as fit BURST_S at the measured per-step time, at most
 MAX_STEPS, so a stream's tokens never arrive more than ~BURST_S apart on account of it, and a
 request arriving mid-burst waits at most that long for its prefill. GPU steps (CUDA graphs take
 the host work off the critical path), compiled decode steps (--compile: graph capture is the other
@@ -19,7 +19,8 @@ call) run one step per call. STRATA_MULTI_STEP=0 turns the automatic count off.
 
 from __future__ import annotations
 
-from strata.env_switch import switched_off
+from strata.platform.policy import StepPolicy
+from strata.settings import SETTINGS
 
 ENV = "STRATA_MULTI_STEP"
 BURST_S = 0.05  # longest burst of decode steps; 1/20 s is below what a reader of a stream notices
@@ -29,26 +30,25 @@ MAX_STEPS = 16
 ALPHA = 0.3  # EWMA weight of the newest step
 
 
-def attach(engine) -> AutoSteps | None:
-    """Set the engine's scheduler lookahead: the configured count, or an AutoSteps observer."""
-    cfg, sched = engine.config, engine.scheduler
-    if cfg.num_scheduler_steps is not None:
-        sched.lookahead = cfg.num_scheduler_steps
+def add_tuner(policy: StepPolicy, config, tensor_parallel: bool, speculative: bool) -> AutoSteps | None:
+    """Set the policy's lookahead: the configured count, or an AutoSteps tuner where it applies."""
+    if config.num_scheduler_steps is not None:
+        policy.lookahead = config.num_scheduler_steps
         return None
-    if (switched_off(ENV) or cfg.device != "cpu" or engine.ranks is not None or sched.speculator is not None
-            or cfg.compile or cfg.cuda_graphs):
+    if (not SETTINGS.multi_step or config.device != "cpu" or tensor_parallel or speculative
+            or config.compile or config.cuda_graphs):
         return None
-    tuner = AutoSteps(sched)
-    engine.step_observers.append(tuner)
+    tuner = AutoSteps(policy)
+    policy.tuners.append(tuner)
     return tuner
 
 
 class AutoSteps:
-    """A step observer (engine.step_observers): per-step seconds of decode-only scheduler calls
-    (their wall time over the steps they ran) -> scheduler.lookahead."""
+    """A tuner of the engine's StepPolicy: per-step seconds of decode-only scheduler calls (their
+    wall time over the steps they ran) -> policy.lookahead."""
 
-    def __init__(self, scheduler) -> None:
-        self.scheduler = scheduler
+    def __init__(self, policy: StepPolicy) -> None:
+        self.policy = policy
         self.step_s: float | None = None
         self._total: float | None = None
 
@@ -60,7 +60,7 @@ class AutoSteps:
             return  # a step with prompt tokens says nothing about the decode step's time
         s = (total - last) / out.num_steps
         self.step_s = s if self.step_s is None else ALPHA * s + (1 - ALPHA) * self.step_s
-        self.scheduler.lookahead = steps_for(self.step_s)
+        self.policy.lookahead = steps_for(self.step_s)
 
 
 def steps_for(step_s: float) -> int:

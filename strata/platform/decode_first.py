@@ -1,12 +1,12 @@
 """The decode-first prefill cap, lowered while the engine's measured steps say it is too large:
 `strata serve` on CPU (STRATA_ADAPTIVE_PREFILL_CAP=0 keeps the start-up cap of
-build.decode_first_cap as it is).
+platform/cpu.py's CpuPlatform.prefill_cap as it is).
 
 While sequences decode, a step that also prefills makes every one of them wait for its prompt
 chunk: their inter-token latency is that mixed step's time. The start-up cap prices the chunk from
 one GEMM probe, but a shared VM's speed swings 1.5-2x within minutes: the same near-saturation
 serving run (smol-135m, Zen 4, cap 64) read ITL p99 328 ms one evening and 167-252 ms in three runs
-the next morning. So a step observer learns from the engine's own steps:
+the next morning. So a tuner of the engine's StepPolicy learns from the engine's own steps:
 
   decode_s[rows]  EWMA of decode-only forward seconds, per count of decoding rows
   token_s         EWMA of (a mixed step's seconds - decode_s at its rows) / its prefill tokens
@@ -20,16 +20,18 @@ pair at each rate (near saturation TTFT p50 1.08 vs 0.78 s, goodput 0.30 vs 0.42
 the start-up cap kept ITL p99 at 167 ms; over saturation goodput 0.32 vs 0.41), so it only steps
 in when the machine slows down.
 
-Only the server attaches it: there arrivals already make every schedule timing-dependent, while
-offline `LLM.generate` keeps the start-up cap, so its chunking (and with it the last bits of the
-prompts' fp32 sums) is the same from run to run.
+Only the server's engine has it (LLMEngine(serving=True); it ignores the warm-up's steps): there
+arrivals already make every schedule timing-dependent, while offline `LLM.generate` keeps the
+start-up cap, so its chunking (and with it the last bits of the prompts' fp32 sums) is the same
+from run to run.
 """
 
 from __future__ import annotations
 
 import logging
 
-from strata.env_switch import switched_off
+from strata.platform.policy import StepPolicy
+from strata.settings import SETTINGS
 
 logger = logging.getLogger(__name__)
 
@@ -41,38 +43,39 @@ ALPHA = 0.3  # EWMA weight of the newest step
 
 
 def enabled() -> bool:
-    return not switched_off(ENV)
+    return SETTINGS.adaptive_prefill_cap
 
 
 def _ewma(old: float | None, new: float) -> float:
     return new if old is None else old + ALPHA * (new - old)
 
 
-def attach(engine) -> AdaptivePrefillCap | None:
-    """Make `engine` (LLMEngine) tune its decode-first cap, unless it runs on a GPU (no cap there),
-    the user fixed the cap (--max-prefill-tokens-while-decoding) or STRATA_ADAPTIVE_PREFILL_CAP=0."""
-    sched = engine.scheduler
-    if (not enabled() or engine.config.device != "cpu" or sched.max_prefill_tokens_while_decoding is None
-            or engine.config.max_prefill_tokens_while_decoding is not None):
+def add_tuner(policy: StepPolicy, config) -> AdaptivePrefillCap | None:
+    """Have `policy` tune its decode-first cap, unless the engine runs on a GPU (no cap there), the
+    user fixed the cap (--max-prefill-tokens-while-decoding) or STRATA_ADAPTIVE_PREFILL_CAP=0."""
+    if (not enabled() or config.device != "cpu" or policy.prefill_cap is None
+            or config.max_prefill_tokens_while_decoding is not None):
         return None
-    tuner = AdaptivePrefillCap(sched, engine.config.block_size)
-    engine.step_observers.append(tuner)
+    tuner = AdaptivePrefillCap(policy, config.block_size)
+    policy.tuners.append(tuner)
     return tuner
 
 
 class AdaptivePrefillCap:
-    """A step observer (engine.step_observers) that sets scheduler.max_prefill_tokens_while_decoding,
-    at most the start-up cap."""
+    """A tuner of the engine's StepPolicy that sets policy.prefill_cap, at most the start-up cap.
+    It ignores the engine's warm-up steps (engine.warming_up)."""
 
-    def __init__(self, scheduler, block_size: int) -> None:
-        self.scheduler = scheduler
+    def __init__(self, policy: StepPolicy, block_size: int) -> None:
+        self.policy = policy
         self.block = block_size
-        self.initial = scheduler.max_prefill_tokens_while_decoding
+        self.initial = policy.prefill_cap
         self.decode_s: dict[int, float] = {}
         self.token_s: float | None = None
         self._forward: float | None = None
 
     def __call__(self, engine) -> None:
+        if engine.warming_up:
+            return
         forward = engine.stage_seconds["forward"]
         last, self._forward = self._forward, forward
         out = engine.last_schedule
@@ -109,8 +112,7 @@ class AdaptivePrefillCap:
         budget_s = max(LIMIT_STEP_S - decode, MIN_SHARE * decode)
         blocks = max(MIN_BLOCKS, int(budget_s / self.token_s) // self.block)
         cap = min(self.initial, blocks * self.block)
-        if cap != self.scheduler.max_prefill_tokens_while_decoding:
+        if cap != self.policy.prefill_cap:
             logger.debug("decode-first cap %s -> %d tokens (decode step %.0f ms at %d rows, %.2f ms a prefill token)",
-                         self.scheduler.max_prefill_tokens_while_decoding, cap, decode * 1e3, rows,
-                         self.token_s * 1e3)
-            self.scheduler.max_prefill_tokens_while_decoding = cap
+                         self.policy.prefill_cap, cap, decode * 1e3, rows, self.token_s * 1e3)
+            self.policy.prefill_cap = cap
