@@ -38,3 +38,7 @@ class DecodeStep:
 
     def warm_up(self) -> None:
         """Compile or capture before anything is measured or served."""
+
+    def stats(self) -> dict | None:
+        """Counters worth reporting (graph/capture.py: compilations, graphs, batch buckets used)."""
+        return None
