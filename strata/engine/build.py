@@ -1,10 +1,14 @@
 """build_engine(config): the engine's assembly as an ordered list of small steps.
 
-    open checkpoint -> load -> quantize -> KV memory -> fuse -> (shard) -> capture -> runner, scheduler
+    probe once -> platform -> open checkpoint -> load -> quantize -> (shard) -> prepare ->
+    KV memory -> fuse -> decode step -> runner, policy, scheduler, sampler
 
 Each step takes the pieces it needs and returns the pieces it makes or changes; none sees the
-engine (torchtitan's `parallelize` style). Tensor parallelism adds its shard step between fuse and
-capture. The engine (llm_engine.py) only runs steps over the parts built here.
+engine (torchtitan's `parallelize` style). The machine's facts come in once, as the hardware
+profile; the platform (strata/platform: CPU or GPU) chosen from it supplies the device's pieces:
+weight storage, kernel marks, the decode step and the step policy with its tuners. Tensor
+parallelism adds its shard step after quantize. The engine (llm_engine.py) only runs steps over
+the parts built here.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ from strata.memory.quant import quantize_model
 from strata.memory.swap import HostBlockPool, KVSwapper
 from strata.model_config import ModelConfig
 from strata.platform import Platform, select_platform
+from strata.platform.base import WORKLOADS
 from strata.platform.cpu import resolve_weight_storage
 from strata.platform.policy import StepPolicy
 from strata.protocol.tokenizer import Tokenizer
@@ -337,6 +342,8 @@ def build_engine(config: EngineConfig, detokenize: bool = True, profile: Hardwar
     where the build needs one: a CPU engine, or bf16 weight storage). workload: "offline" (every
     prompt known up front: LLM.generate), "streaming" (driven step by step) or "serving" (arrivals:
     `strata serve`); the platform's policy follows it (platform/base.py)."""
+    if workload not in WORKLOADS:
+        raise ConfigError(f"workload {workload!r}: choose one of {', '.join(WORKLOADS)}")
     import_apart("torch._dynamo")
     if profile is None and (config.device == "cpu" or config.quantization == "bf16"):
         profile = probe("cpu")

@@ -69,8 +69,6 @@ def start_up_cap(platform: Platform, config: EngineConfig, cfg: ModelConfig, wor
     shrink the GEMMs (smol-135m fp32, 64 requests, `strata bench throughput`, Zen 4: 117-128 output
     tok/s with the cap vs 138-144 without; vLLM likewise gives its LLM class a larger step budget
     than its server). Streaming and serving: the platform's prefill_cap."""
-    if workload not in WORKLOADS:
-        raise ValueError(f"workload {workload!r}: choose one of {', '.join(WORKLOADS)}")
     if workload == "offline":
         return config.max_prefill_tokens_while_decoding
     return platform.prefill_cap(config, cfg)
