@@ -11,11 +11,16 @@ statically.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import httpx
+
 import strata
+from tests.server.serverproc import free_port
 
 DEMO_DIR = Path(strata.__file__).parent / "demo"  # the demo checkpoint's tokenizer files
 
@@ -86,3 +91,41 @@ def test_front_end_runs_without_torch():
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["statuses"] == [200, 200, 400], result
     assert result["torch"] == [], f"the front end imported torch: {result['torch'][:10]}"
+
+
+def test_strata_serve_front_end_process_never_imports_torch(tmp_path):
+    """The real thing: `strata serve` (the demo model) under `python -X importtime`, which logs every
+    module the front-end process imports (the engine process is a child without the flag); it
+    starts, serves a completion and stops without torch among them."""
+    port = free_port()
+    log = tmp_path / "imports.log"
+    cmd = [sys.executable, "-X", "importtime", "-m", "strata", "serve", "--port", str(port), "--dtype", "float32",
+           "--max-model-len", "128", "--kv-cache-memory", "4MiB", "--tokenizer-workers", "0"]
+    with open(log, "w") as err:
+        proc = subprocess.Popen(cmd, stderr=err, stdout=subprocess.DEVNULL, env={**os.environ})
+        try:
+            url = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + 180
+            while True:
+                assert proc.poll() is None, log.read_text()[-3000:]
+                try:
+                    if httpx.get(url + "/ready", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                assert time.monotonic() < deadline, "server not ready in time"
+                time.sleep(0.2)
+            r = httpx.post(url + "/v1/completions", json={"prompt": "To be", "max_tokens": 4, "temperature": 0},
+                           timeout=60)
+            assert r.status_code == 200, r.text
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+    imported = [line.rsplit("|", 1)[-1].strip() for line in log.read_text().splitlines()
+                if line.startswith("import time:") and "|" in line]
+    assert "strata.server.app" in imported  # the log is this process's imports
+    assert [m for m in imported if m == "torch" or m.startswith("torch.")] == []
