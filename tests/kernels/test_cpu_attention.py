@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from strata.kernels import cpu_attention
-from strata.kernels.attention import AttentionMetadata, _decode
+from strata.kernels.attention import AttentionMetadata, decode_attention
 from tests.kernels.triton_kernels.triton_cases import paged_cache
 
 pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="numba not installed")
@@ -35,8 +35,8 @@ def test_paged_decode_matches_torch(heads, kv_heads, dim, block, lens):
     scale = dim**-0.5
     ref_meta = AttentionMetadata(torch.empty(0), [], 0, table_t, mask, lens_t, backend="torch")
     cpu_meta = AttentionMetadata(torch.empty(0), [], 0, table_t, None, lens_t, backend="cpu")
-    expected = _decode(q, cache, ref_meta, scale)
-    got = _decode(q, cache, cpu_meta, scale)
+    expected = decode_attention(q, cache, ref_meta, scale)
+    got = decode_attention(q, cache, cpu_meta, scale)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
@@ -91,9 +91,9 @@ def test_paged_decode_reads_a_bf16_cache_exactly(heads, kv_heads, dim, lens):
     mask = (torch.arange(width * 16)[None, :] < lens_t[:, None]).view(len(lens), 1, 1, -1)
     ref_meta = AttentionMetadata(torch.empty(0), [], 0, table_t, mask, lens_t, backend="torch")
     cpu_meta = AttentionMetadata(torch.empty(0), [], 0, table_t, None, lens_t, backend="cpu")
-    expected = _decode(q, cache.float(), ref_meta, dim**-0.5)
-    torch.testing.assert_close(_decode(q, cache, cpu_meta, dim**-0.5), expected, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(_decode(q, cache, ref_meta, dim**-0.5), expected, rtol=1e-5, atol=1e-5)
+    expected = decode_attention(q, cache.float(), ref_meta, dim**-0.5)
+    torch.testing.assert_close(decode_attention(q, cache, cpu_meta, dim**-0.5), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(decode_attention(q, cache, ref_meta, dim**-0.5), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_a_bf16_cache_with_an_odd_head_dim_falls_back_to_the_widened_gather():
@@ -105,5 +105,5 @@ def test_a_bf16_cache_with_an_odd_head_dim_falls_back_to_the_widened_gather():
     mask = (torch.arange(table_t.shape[1] * 8)[None, :] < lens_t[:, None]).view(2, 1, 1, -1)
     ref_meta = AttentionMetadata(torch.empty(0), [], 0, table_t, mask, lens_t, backend="torch")
     cpu_meta = AttentionMetadata(torch.empty(0), [], 0, table_t, None, lens_t, backend="cpu")
-    torch.testing.assert_close(_decode(q, cache, cpu_meta, 0.2), _decode(q, cache.float(), ref_meta, 0.2),
+    torch.testing.assert_close(decode_attention(q, cache, cpu_meta, 0.2), decode_attention(q, cache.float(), ref_meta, 0.2),
                                rtol=1e-5, atol=1e-5)

@@ -24,9 +24,7 @@ from strata.kernels.attention.common import (
 )
 from strata.kernels.attention.metadata import AttentionMetadata
 from strata.kernels.attention.paged import (
-    _decode,
     _prefill,
-    attend,
     attend_cached,
     decode_attention,
     fused_decode_attention,
@@ -39,7 +37,7 @@ from strata.kernels.attention.registry import BACKENDS, get_backend, resolve_bac
 __all__ = [
     "AttentionBackend", "AttentionMetadata", "PrefillSpan", "BACKENDS",
     "get_backend", "resolve_backend", "select_backend",
-    "write_kv", "gather_kv", "attend", "reference_attend", "sdpa_attend",
+    "write_kv", "gather_kv", "reference_attend", "sdpa_attend",
     "attend_cached", "decode_attention", "paged_attention", "fused_decode_usable", "fused_decode_attention",
-    "triton_usable", "_decode", "_prefill",
+    "triton_usable", "_prefill",
 ]

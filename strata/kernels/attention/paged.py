@@ -77,22 +77,8 @@ def fused_decode_attention(
     )
 
 
-# --- names kept for callers written against the single-module attention.py -------------------------
-
-
-def attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-    causal: bool, scale: float, backend: AttentionBackend | str,
-) -> torch.Tensor:
-    """q [..., kvh, rows, d], k/v [..., kvh, L, d], mask broadcastable to [..., kvh, rows, L]."""
-    return resolve_backend(backend).attend(q, k, v, mask, causal, scale)
-
-
 def _prefill(q, k, v, kv_cache, span: PrefillSpan, scale: float, backend: AttentionBackend | str) -> torch.Tensor:
     return resolve_backend(backend).prefill(q, k, v, kv_cache, span, scale)
-
-
-_decode = decode_attention
 
 
 def triton_usable(device: str) -> bool:

@@ -16,7 +16,7 @@ from strata.kernels import attention
 from strata.kernels.attention import (
     AttentionMetadata,
     PrefillSpan,
-    _decode,
+    decode_attention,
     paged_attention,
     resolve_backend,
 )
@@ -53,7 +53,7 @@ def test_paged_attention_twin_matches_torch_backend(heads, kv_heads, dim, block,
     mask = (keys[None, :] < lens_t[:, None]).view(len(lens), 1, 1, -1)
     meta = AttentionMetadata(torch.empty(0), [], 0, tables, mask, lens_t, backend="torch")
     scale = dim**-0.5
-    expected = _decode(q, cache, meta, scale)
+    expected = decode_attention(q, cache, meta, scale)
     got = paged_decode_attention_ref(q, cache, tables, lens_t, scale)
     assert got.dtype == dtype and got.shape == expected.shape
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
