@@ -1,10 +1,11 @@
 """`python -m strata` and the `strata` command.
 
-Importing the CLI loads torch (a second or two); Ctrl-C meanwhile is one line and exit 130, not a
-traceback: the process leaves at once from the signal handler, because a KeyboardInterrupt raised
+Importing a command's modules loads torch (a second or two; strata/cli imports the chosen
+command's module while it parses the command line); Ctrl-C meanwhile is one line and exit 130, not
+a traceback: the process leaves at once from the signal handler, because a KeyboardInterrupt raised
 inside an import can land in a C++ call that calls back into Python (torch.distributed's
 `_c10d_init`), where pybind11 turns it into std::terminate and an abort. Nothing has started yet
-that would need cleaning up. Everything after that is strata/cli.py's. An interrupted run leaves
+that would need cleaning up. Everything after that is strata/cli's. An interrupted run leaves
 through os._exit: a Ctrl-C that landed inside an import can otherwise make the interpreter's
 shutdown end the process by SIGINT after all (exit -2 instead of 130).
 """
@@ -38,18 +39,24 @@ def _on_sigint(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
-def main() -> int:
+def _imports_done() -> None:
+    """The command's modules are imported: from here on a Ctrl-C is a KeyboardInterrupt."""
     global _importing
+    _importing = False
+    if _interrupted:  # a Ctrl-C during the imports that some library's bare except swallowed
+        raise KeyboardInterrupt
+
+
+def main() -> int:
     # remember that Ctrl-C came: a KeyboardInterrupt raised inside a C++ or numba call can reach us
     # as another exception (or none), and the answer must still be one line and exit 130
     signal.signal(signal.SIGINT, _on_sigint)
     try:
-        from strata.cli import main as cli_main
+        from strata.cli import (
+            main as cli_main,  # after the SIGINT handler: a Ctrl-C while importing is one line
+        )
 
-        _importing = False
-        if _interrupted:  # a Ctrl-C during the imports that some library's bare except swallowed
-            raise KeyboardInterrupt
-        code = cli_main()  # prints "interrupted" itself for a KeyboardInterrupt it sees
+        code = cli_main(imported=_imports_done)  # prints "interrupted" itself for a KeyboardInterrupt it sees
     except BaseException as e:
         if not (_interrupted or isinstance(e, KeyboardInterrupt)):
             raise

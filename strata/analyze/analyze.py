@@ -10,7 +10,7 @@ The offline workload runs through LLMEngine in this process. Wall time of the ru
 Operator shares come from torch.profiler on a sample of steps (one step in PROFILE_EVERY, so the
 profiler's own cost stays out of most steps) and are applied to the measured forward time of each
 phase. Each phase (prefill, decode) is compared with the planner's kernel prediction for the same
-batches (analyze/plan.py, from `strata hw`'s measured rates): predicted / measured is how much of
+batches (planner/plan.py, from `strata hw`'s measured rates): predicted / measured is how much of
 the time the hardware roofline explains. The verdict names the layer that limits the workload and
 one to three actions, each with the flag and the gain the planner predicts.
 """
@@ -45,6 +45,8 @@ from strata.analyze.analyze_verdict import (
     phases,
     verdict,
 )
+from strata.hardware.probe import probe
+from strata.planner import cost_model
 
 # the run (analyze_run.py) and its attribution and verdict (analyze_verdict.py) are reached from
 # here too: analyze_report.py, analyze_serve.py and the tests import them as strata.analyze.analyze
@@ -90,9 +92,6 @@ def analyze_engine(engine, w: Workload, profile=None, progress=None) -> Analysis
     """Run `w` on `engine` and analyse it against this machine's measured roofline.
     progress: called with a line as each phase starts (`strata analyze` prints them), and turns on
     the run's progress bar."""
-    from strata.analyze import cost_model
-    from strata.hardware.probe import probe
-
     say = progress or (lambda _msg: None)
     if profile is None:
         say("reading this machine's measured rates (strata hw; measured once, then cached)")

@@ -1,13 +1,13 @@
 """`strata analyze` output: a text report, and a self-contained HTML page with inline SVG charts
-(analyze/charts.py: matplotlib)."""
+(planner/charts.py: matplotlib)."""
 
 from __future__ import annotations
 
 import html
 import math
 
-from strata.analyze import charts
 from strata.analyze.analyze import CATEGORY_LABELS, Analysis
+from strata.planner import charts
 
 
 def _ms(s: float) -> str:

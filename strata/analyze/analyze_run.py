@@ -16,7 +16,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from strata.engine.sampling_params import SamplingParams
+from strata.bench.common import random_prompts, special_ids
+from strata.kernels.profile import named_kernels, quiet_profile
+from strata.protocol.sampling_params import SamplingParams
+from strata.server.tokenizer_worker import tokenize
 
 PROFILE_EVERY = 8  # one profiled step in this many (the profiler's per-operator cost stays out of the rest)
 
@@ -94,8 +97,6 @@ class Measurement:
 
 def _prompts(engine, w: Workload) -> list[tuple[str | None, list[int]]]:
     """Random prompts: text (decoded from random ids) when the model has a tokenizer, else ids."""
-    from strata.bench.common import random_prompts, special_ids
-
     rng = np.random.default_rng(w.seed)
     lens = rng.integers(w.input_len[0], w.input_len[1] + 1, size=w.num_prompts).tolist()
     ids = random_prompts(rng, engine.model_config.vocab_size, lens, special_ids(engine))
@@ -113,9 +114,6 @@ def run_offline(engine, w: Workload, progress: bool = False) -> Measurement:
     """All requests arrive at once; the engine steps until they finish, instrumented.
     progress: a bar of finished requests on stderr (its updates are outside the timed steps)."""
     from tqdm.auto import tqdm
-
-    from strata.kernels.profile import named_kernels, quiet_profile
-    from strata.server.tokenizer_worker import tokenize
 
     rng = np.random.default_rng(w.seed + 1)
     outs = rng.integers(w.output_len[0], w.output_len[1] + 1, size=w.num_prompts).tolist()

@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 
 from strata.analyze.analyze_verdict import QUEUE_SHARE, TOKENIZE_SHARE, Action, Verdict
+from strata.bench.serve_client import run_benchmark
 
 STAGES = ("tokenize", "queue", "prefill", "decode", "detokenize", "stream")
 PHASES = ("schedule", "forward", "sample")
@@ -106,8 +107,6 @@ def serve_verdict(stage: dict[str, float], engine: dict[str, float], n: int, max
 
 def analyze_serve(server_args: list[str], model_label: str, bench_cfg, max_num_seqs: int,
                   crossover: float | None = None) -> ServeAnalysis:
-    from strata.bench.serve_client import run_benchmark
-
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     # warnings only: the server's info lines (one access line per request) would bury the progress bar

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from strata.analyze.analyze_run import Measurement
+from strata.planner import cost_model
 
 BOUND_EFFICIENCY = 0.45  # a phase whose roofline prediction explains this share of its time is bound by it
 KERNEL_SHARE = 0.5  # ... or whose forward time is at least this much inside its GEMM/attention/KV kernels
@@ -103,8 +104,6 @@ def _kernel_share(m: Measurement, kind: str) -> float:
 
 
 def phases(m: Measurement, shape, dev) -> list[Phase]:
-    from strata.analyze import cost_model
-
     out = []
     dec = [s for s in m.steps if s.kind == "decode" and s.decode_seqs]
     if dec:
@@ -159,8 +158,6 @@ class Verdict:
 
 def _decode_gain(shape, dev, batch: int, ctx: int, other_shape=None, other_dev=None, other_batch=None) -> float:
     """Predicted decode tokens/s ratio of (other shape/device/batch) over the current one."""
-    from strata.analyze import cost_model
-
     now = cost_model.decode_step(shape, dev, batch, ctx)
     alt = cost_model.decode_step(other_shape or shape, other_dev or dev, other_batch or batch, ctx)
     return (alt.batch / alt.kernel_s) / (now.batch / now.kernel_s)

@@ -1,163 +1,115 @@
-"""`strata hw` and `strata plan` (registered by strata/cli.py)."""
+"""`strata analyze`: flags, and the offline / serve workloads."""
 
 from __future__ import annotations
 
 import argparse
-import json
+import logging
 import sys
-from pathlib import Path
 
-HW_EPILOG = """examples:
-  strata hw                 # identity + measured figures (cached under $STRATA_CACHE)
-  strata hw --refresh       # re-measure
-  strata hw --json          # everything as JSON
+import torch
+
+from strata.analyze import analyze as analyze_mod
+from strata.analyze.analyze import Workload, analyze_engine
+from strata.analyze.analyze_report import format_html
+from strata.analyze.analyze_report import format_text as analysis_text
+from strata.analyze.analyze_serve import analyze_serve
+from strata.analyze.analyze_serve import format_text as serve_text
+from strata.bench.common import parse_range, resolve_model, write_json
+from strata.bench.serve import ServeBenchConfig, parse_rate
+from strata.config import engine_default
+from strata.engine.args import EngineArgs
+from strata.engine.llm_engine import LLMEngine
+from strata.errors import StrataError
+from strata.hardware import probe as hw_probe
+from strata.planner import plan
+
+logger = logging.getLogger(__name__)
+
+NAME = "analyze"
+HELP = "run a workload instrumented; attribute its time; name the bottleneck"
+DESCRIPTION = analyze_mod.__doc__
+EPILOG = """examples:
+  strata analyze --random-model smol-135m --dtype float32 --num-prompts 1 --input-len 16 --output-len 64
+  strata analyze --random-model smol-135m --dtype float32 --num-prompts 1 --input-len 512 --output-len 1
+  strata analyze --model ./qwen --num-prompts 32 --max-num-seqs 4 --html report.html
 """
 
-PLAN_EPILOG = """examples:
-  strata plan --model smol-135m --hardware this --dtype float32
-  strata plan --model ./Llama-3-8B --hardware H100x8 --max-model-len 8192 --batch 256 --price-per-hour 24
-  strata plan --model ./qwen/config.json --hardware L4 --quantization int4 --html plan.html
-  strata plan --model qwen-0.5b --hardware this --dtype float32 --input-len 512 --context 192 --batch 16
-  strata plan --train --model smol-135m --seq-len 1024 --micro-batch-size 8 --activation-checkpointing full
-  strata plan --train --model demo --seq-len 128 --micro-batch-size 4 --measure   # predicted vs a real run
-  strata plan --train --model ./Llama-3-8B --hardware H100x8 --distributed fsdp --precision bfloat16
-"""
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    EngineArgs.add_cli_args(p)
+    p.add_argument("--json", default=None, metavar="FILE", help="write the analysis to FILE as JSON")
+    g = p.add_argument_group("workload")
+    g.add_argument("--workload", default="offline", choices=["offline", "serve"],
+                   help="offline: all requests at once through the engine in this process; serve: start "
+                   "`strata serve` with these flags and drive it with `strata bench serve` (default offline)")
+    g.add_argument("--request-rate", default="inf", help="serve: requests/s or inf (default inf)")
+    g.add_argument("--tokenizer-workers", type=int, default=None, help="serve: passed to strata serve")
+    g.add_argument("--num-prompts", type=int, default=16, help="requests in the workload")
+    g.add_argument("--input-len", default="128", help="prompt tokens, N or A:B (default 128)")
+    g.add_argument("--output-len", default="64", help="output tokens, N or A:B (default 64)")
+    g.add_argument("--seed", type=int, default=0, help="seed for lengths and token ids")
+    p.add_argument("--html", default=None, help="also write a self-contained HTML report here")
 
 
-def cmd_hw(args: argparse.Namespace) -> int:
-    from strata.hardware.report import build_report, format_report
+def _serve_args(args: argparse.Namespace) -> list[str]:
+    """The engine flags given on this command line, forwarded to `strata serve`."""
+    out = EngineArgs.from_cli_args(args).to_cli()
+    if args.tokenizer_workers is not None:
+        out += ["--tokenizer-workers", str(args.tokenizer_workers)]
+    return out
 
-    report = build_report(refresh=args.refresh)
+
+def _decode_crossover(model: str | None, dtype: str, quantization: str | None, context: int,
+                      group_size: int = engine_default("quantization_group_size")) -> float | None:
+    """The planner's compute crossover batch for this model on this machine (cached `strata hw`);
+    None when it cannot be had (no model directory, or no measured profile for the dtype)."""
+    if model is None:
+        return None
+    try:
+        cfg, _ = plan.resolve_model(model)
+        profile = hw_probe.probe("cuda:0" if torch.cuda.is_available() else "cpu")
+        torch_dtype = plan._resolve_dtype(dtype, cfg, profile)
+        dev = plan.this_device(profile, torch_dtype, quantization)
+        return plan.crossover_batch(plan.ModelShape.of(cfg, torch_dtype, quantization, group_size), dev, context)
+    except (StrataError, ValueError, OSError) as e:  # the verdict still stands without it
+        logger.info("no decode crossover for the serve verdict: %s", e)
+        return None
+
+
+def cmd_analyze_serve(args: argparse.Namespace) -> int:
+    model = resolve_model(args)
+    cfg = ServeBenchConfig(url="", num_prompts=args.num_prompts, request_rate=parse_rate(args.request_rate),
+                           input_len=parse_range(args.input_len, "--input-len"),
+                           output_len=parse_range(args.output_len, "--output-len"), seed=args.seed,
+                           tokenizer=model, progress=True)
+    context = (cfg.input_len[0] + cfg.input_len[1]) / 2 + (cfg.output_len[0] + cfg.output_len[1]) / 4
+    a = analyze_serve(_serve_args(args), model or "demo", cfg, args.max_num_seqs,
+                      _decode_crossover(model, args.dtype, args.quantization, int(context),
+                                        args.quantization_group_size))
+    print(serve_text(a))
     if args.json:
-        print(json.dumps(report, indent=2, default=str))
-    else:
-        print(format_report(report))
+        write_json(args.json, a.to_json())
     return 0
 
 
-def cmd_train_plan(args: argparse.Namespace) -> int:
-    from strata.analyze.train_plan import (
-        TrainPlanRequest,
-        build_train_plan,
-        format_train_plan,
-        measure,
-    )
+def run(args: argparse.Namespace) -> int:
+    if args.workload == "serve":
+        return cmd_analyze_serve(args)
+    w = Workload(args.num_prompts, parse_range(args.input_len, "--input-len"),
+                 parse_range(args.output_len, "--output-len"), args.seed)
+    def say(msg: str) -> None:
+        print(f"strata analyze: {msg} ...", file=sys.stderr, flush=True)
 
-    req = TrainPlanRequest(
-        model=args.model, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size,
-        precision=args.precision, activation_checkpointing=args.activation_checkpointing,
-        ac_every=args.ac_every, world_size=args.world_size, distributed=args.distributed,
-        device=args.device, hardware=args.hardware, ddp_bucket_mb=args.ddp_bucket_mb,
-        loss_chunk_tokens=args.loss_chunk_tokens, fused_loss=args.fused_loss,
-    )
-    plan = build_train_plan(req)
-    if args.measure:
-        if args.hardware.lower() != "this":
-            print("error: --measure runs on this machine; drop --hardware", file=sys.stderr)
-            return 2
-        plan = measure(plan, args.threads)
-    if args.json:
-        print(json.dumps(plan.to_json(), indent=2, default=str))
-    else:
-        print(format_train_plan(plan))
-    return 0
-
-
-def cmd_plan(args: argparse.Namespace) -> int:
-    if args.train:
-        return cmd_train_plan(args)
-    from strata.analyze.plan import PlanRequest, build_plan
-    from strata.analyze.plan_report import format_html, format_text
-    from strata.config import parse_bytes
-
-    req = PlanRequest(
-        model=args.model, hardware=args.hardware, dtype=args.dtype, quantization=args.quantization,
-        group_size=args.quantization_group_size, max_model_len=args.max_model_len, batch=args.batch,
-        input_len=args.input_len, context=args.context,
-        kv_cache_memory=parse_bytes(args.kv_cache_memory, "--kv-cache-memory") if args.kv_cache_memory else None,
-        memory_fraction=args.memory_fraction, max_num_seqs=args.max_num_seqs, block_size=args.block_size,
-        max_num_batched_tokens=args.max_num_batched_tokens, price_per_hour=args.price_per_hour,
-        alpha_us=args.alpha_us, refresh=args.refresh,
-    )
-    plan = build_plan(req)
+    say("loading the model")
+    engine = LLMEngine(EngineArgs.from_cli_args(args).create_engine_config())
+    analysis = analyze_engine(engine, w, progress=say)
+    print(analysis_text(analysis))
     if args.html:
-        Path(args.html).write_text(format_html(plan))
+        say("drawing the HTML report")
+        with open(args.html, "w", encoding="utf-8") as f:
+            f.write(format_html(analysis))
         print(f"wrote {args.html}", file=sys.stderr)
     if args.json:
-        print(json.dumps(plan.to_json(), indent=2, default=str))
-    else:
-        print(format_text(plan))
+        write_json(args.json, analysis.to_json())
     return 0
 
-
-def register(sub: argparse._SubParsersAction) -> None:
-    hw = sub.add_parser("hw", help="this machine: CPU, caches, memory, GPUs, links; measured bandwidth and FLOP/s",
-                        epilog=HW_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    hw.add_argument("--json", action="store_true", help="print JSON instead of the report")
-    hw.add_argument("--refresh", action="store_true", help="re-measure instead of reading the cache")
-    hw.set_defaults(func=cmd_hw)
-
-    from strata.analyze import plan as plan_mod
-    from strata.config import engine_default
-
-    p = sub.add_parser("plan", help="memory, roofline, parallelism and cost of a model on named or this hardware",
-                       description=plan_mod.__doc__, epilog=PLAN_EPILOG,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="HF directory, config.json, or a random shape (smol-135m, "
-                   "qwen-0.5b, tiny)")
-    p.add_argument("--hardware", default="this", help="NAME, NAMExN (e.g. H100x8) or 'this' (default)")
-    p.add_argument("--dtype", default=engine_default("dtype"),
-                   help="auto | float32 | bfloat16 | float16 (default auto, as the engine)")
-    p.add_argument("--quantization", default=None, choices=["int8", "int4", "bf16"],
-                   help="weight-only int8 / int4, or bf16 weights with fp32 compute (CPU)")
-    p.add_argument("--quantization-group-size", type=int, default=engine_default("quantization_group_size"),
-                   choices=[32, 64, 128], help="int4: input columns sharing one scale")
-    p.add_argument("--max-model-len", type=int, default=None, help="L (default: the model's max positions)")
-    p.add_argument("--batch", type=int, default=64, help="largest decode batch B (default 64)")
-    p.add_argument("--input-len", type=int, default=None, help="prefill prompt tokens (default L)")
-    p.add_argument("--context", type=int, default=None, help="decode context per sequence (default L)")
-    p.add_argument("--kv-cache-memory", default=None, help="KV cache size as the engine flag, e.g. 2GiB")
-    p.add_argument("--memory-fraction", type=float, default=engine_default("memory_fraction"),
-                   help="this: share of free memory for KV when --kv-cache-memory is unset "
-                   f"(engine default {engine_default('memory_fraction'):g})")
-    p.add_argument("--max-num-seqs", type=int, default=engine_default("max_num_seqs"), help="as the engine flag")
-    p.add_argument("--block-size", type=int, default=engine_default("block_size"), help="as the engine flag")
-    p.add_argument("--max-num-batched-tokens", type=int, default=engine_default("max_num_batched_tokens"),
-                   help="as the engine flag")
-    p.add_argument("--price-per-hour", type=float, default=None, help="for all N devices, e.g. 24.0")
-    p.add_argument("--alpha-us", type=float, default=None,
-                   help="all-reduce per-message latency (default 5 us NVLink/IF, 10 us PCIe: an assumption)")
-    p.add_argument("--refresh", action="store_true", help="this: re-measure the hardware and step overhead")
-    p.add_argument("--html", default=None, metavar="FILE", help="also write a self-contained HTML page")
-    p.add_argument("--json", action="store_true", help="print JSON instead of the text report")
-    _add_train_flags(p)
-    p.set_defaults(func=cmd_plan)
-
-
-def _add_train_flags(p: argparse.ArgumentParser) -> None:
-    """`strata plan --train`: the training run's memory per rank (flags as `strata train`'s)."""
-    from strata.train.config import ACTIVATION_CHECKPOINTING, DISTRIBUTED, PRECISIONS, TrainConfig
-
-    d = TrainConfig()
-    g = p.add_argument_group("training memory (--train; see strata/train/memory_plan.py)")
-    g.add_argument("--train", action="store_true",
-                   help="plan a training run's memory per rank instead of serving")
-    g.add_argument("--seq-len", type=int, default=d.seq_len, help=f"training sequence length (default {d.seq_len})")
-    g.add_argument("--micro-batch-size", type=int, default=d.micro_batch_size,
-                   help=f"sequences per forward per rank (default {d.micro_batch_size})")
-    g.add_argument("--precision", default=d.precision, choices=PRECISIONS,
-                   help="autocast dtype, as strata train (default auto)")
-    g.add_argument("--activation-checkpointing", default=d.activation_checkpointing,
-                   choices=ACTIVATION_CHECKPOINTING, help="as strata train (default none)")
-    g.add_argument("--ac-every", type=int, default=d.ac_every, help=f"selective: every k-th layer (default {d.ac_every})")
-    g.add_argument("--world-size", type=int, default=None, help="data-parallel ranks (default: the --hardware count)")
-    g.add_argument("--distributed", default=d.distributed, choices=DISTRIBUTED, help="ddp or fsdp (default ddp)")
-    g.add_argument("--ddp-bucket-mb", type=float, default=d.ddp_bucket_mb, help="DDP gradient bucket size")
-    g.add_argument("--loss-chunk-tokens", type=int, default=d.loss_chunk_tokens,
-                   help="as strata train: LM head + loss over this many tokens at a time (default 0 = off)")
-    g.add_argument("--fused-loss", action=argparse.BooleanOptionalAction, default=d.fused_loss,
-                   help="as strata train: LM head + loss fused by chunks (default on)")
-    g.add_argument("--device", default=d.device, help="this machine's training device (default cpu)")
-    g.add_argument("--measure", action="store_true",
-                   help="also run strata train for 3 steps with these settings and compare its peak")
-    g.add_argument("--threads", type=int, default=None, help="--measure: torch threads of the training run")

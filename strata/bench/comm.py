@@ -25,14 +25,17 @@ import tempfile
 import time
 from pathlib import Path
 
-from strata.comm.alpha_beta import CommModel, bus_bandwidth, fit
+from strata.bench.common import write_json
+from strata.comm.alpha_beta import FORMULA_TEXT, CommModel, bus_bandwidth, fit
 from strata.comm.launch import LocalRanks, RanksFailed
 from strata.config import parse_bytes
 from strata.errors import ConfigError
+from strata.hardware.probe import save_comm_model
 from strata.text_table import fmt_bytes, print_table
 
 NAME = "comm"
 HELP = "collectives between local ranks (SHM, gloo, NCCL): nccl-tests table + fitted alpha-beta model"
+DESCRIPTION = __doc__
 DEFAULT_SIZES = "8B:16MiB"
 FULL_SIZES = "8B:256MiB"
 
@@ -154,8 +157,6 @@ def pass_spread(p: dict) -> float:
 
 
 def _fit_table(model: CommModel, errs: dict) -> None:
-    from strata.comm.alpha_beta import FORMULA_TEXT
-
     rows = []
     for f in model.fits:
         e = errs[(f.collective, f.transport)]
@@ -201,7 +202,7 @@ def crossover(model: CommModel, n: int, a: str = "shm", b: str = "gloo") -> floa
     return hi
 
 
-def main(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     if args.passes < 1:
         raise ConfigError(f"--passes: must be >= 1, got {args.passes}")
     device, transports = _setup(args)
@@ -221,16 +222,12 @@ def main(args: argparse.Namespace) -> int:
                                              else "SHM is cheaper at every size (in the fitted model)"))
     profile_path = None
     if not args.no_profile:
-        from strata.hardware.probe import save_comm_model
-
         profile_path = str(save_comm_model("cuda:0" if device == "cuda" else "cpu", model))
         print(f"stored the fit in the hardware profile {profile_path} "
               "(strata plan --hardware thisxN prices tensor-parallel all-reduces from it)")
     wall = time.perf_counter() - t0
     print(f"done in {wall:.1f} s")
     if args.json:
-        from strata.bench.common import write_json
-
         points = [dict(p, model_s=model.predict(p["collective"], p["transport"], p["bytes"], args.world_size),
                        model_err=errs[(p["collective"], p["transport"])][p["bytes"]],
                        algbw_gbs=bus_bandwidth(p["collective"], p["bytes"], p["median_s"], args.world_size)[0] / 1e9,

@@ -14,6 +14,7 @@ import torch
 
 from strata.engine.args import EngineArgs
 from strata.errors import ConfigError
+from strata.protocol.sampling_params import SamplingParams
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -136,8 +137,6 @@ def add_sampling_args(g: argparse._ArgumentGroup) -> None:
 def sampling_params(args: argparse.Namespace, max_tokens: int):
     """The workload's SamplingParams: --temperature / --top-p / --top-k, ignoring EOS (every
     request runs to max_tokens whatever it samples)."""
-    from strata.engine.sampling_params import SamplingParams
-
     return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                           max_tokens=max_tokens, ignore_eos=True)
 

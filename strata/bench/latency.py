@@ -54,12 +54,18 @@ from strata.bench.common import (
     warm_capture,
     write_json,
 )
-from strata.engine.sampling_params import RequestOutputKind
+from strata.bench.hf_peer import hf_latency, load_hf_model
+from strata.engine.llm import LLM
 from strata.errors import ConfigError, StrataError
+from strata.hardware.probe import measure_mem_bandwidth
+from strata.kernels.profile import profile_decode
+from strata.memory import planner as memory_planner
+from strata.protocol.sampling_params import RequestOutputKind
 from strata.text_table import print_table
 
 NAME = "latency"
 HELP = "prefill time, decode tok/s and memory-bandwidth utilisation of one batch (optionally vs transformers)"
+DESCRIPTION = __doc__
 
 _RATES = ("prefill_tokens_per_s", "prefill_gflops", "decode_tokens_per_s_per_seq",
           "decode_tokens_per_s", "achieved_gbs", "mbu")
@@ -154,10 +160,7 @@ def _strata_run(llm, prompts: list[list[int]], output_len: int, args) -> tuple[f
     return first - start, end - first, steps
 
 
-def main(args: argparse.Namespace) -> int:
-    from strata.engine.llm import LLM
-    from strata.hardware.probe import measure_mem_bandwidth
-
+def run(args: argparse.Namespace) -> int:
     for flag, v, lo in (("--batch", args.batch, 1), ("--input-len", args.input_len, 1),
                         ("--output-len", args.output_len, 2), ("--warmup", args.warmup, 0),
                         ("--repeats", args.repeats, 1), ("--competing-load", args.competing_load, 0)):
@@ -233,8 +236,6 @@ def main(args: argparse.Namespace) -> int:
     rows = [_row("strata", results["strata"])]
     report = None
     if profile:
-        from strata.kernels.profile import profile_decode
-
         again = random_prompts(np.random.default_rng(args.seed + 1000), vocab, [args.input_len] * args.batch, avoid)
         # the engine's steps as the timed runs' LLM.generate drives them: final outputs only
         params = dataclasses.replace(sampling_params(args, args.output_len), output_kind=RequestOutputKind.FINAL_ONLY)
@@ -243,11 +244,8 @@ def main(args: argparse.Namespace) -> int:
         results["strata"]["profile"] = report.to_dict()
 
     if args.compare == "hf":
-        from strata.bench.hf_peer import hf_latency, load_hf_model
-        from strata.memory.planner import weight_bytes
-
         path, dtype, threads = eng.model_path, eng.dtype, eng.threads
-        hf_fig = dict(fig, weight_bytes=weight_bytes(cfg, dtype))  # transformers reads float weights
+        hf_fig = dict(fig, weight_bytes=memory_planner.weight_bytes(cfg, dtype))  # transformers reads float weights
         del llm, eng
         gc.collect()  # free Strata's KV cache before loading the peer
         torch.set_num_threads(threads)

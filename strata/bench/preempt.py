@@ -29,11 +29,14 @@ from strata.bench.common import (
     special_ids,
     write_json,
 )
+from strata.engine.llm import LLM
 from strata.errors import ConfigError
+from strata.protocol.sampling_params import SamplingParams
 from strata.text_table import print_table
 
 NAME = "preempt"
 HELP = "oversubscribed KV cache: recompute vs swap preemption, outputs checked against a reference"
+DESCRIPTION = __doc__
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -49,9 +52,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _run(model, kwargs: dict, prompts, params) -> tuple[dict, list[list[int]], object]:
-    from strata.engine.llm import LLM
-    from strata.engine.sampling_params import SamplingParams
-
     llm = LLM(model, **kwargs)
     # untimed warm-up with a few full prompts, so the first large step's one-off costs (fresh
     # activation memory) are not charged to whichever mode runs first
@@ -73,10 +73,7 @@ def _run(model, kwargs: dict, prompts, params) -> tuple[dict, list[list[int]], o
     return fig, tokens, engine
 
 
-def main(args: argparse.Namespace) -> int:
-    from strata.engine.llm import LLM
-    from strata.engine.sampling_params import SamplingParams
-
+def run(args: argparse.Namespace) -> int:
     if not 0 < args.kv_fraction < 1:
         raise ConfigError(f"--kv-fraction must be in (0, 1), got {args.kv_fraction}")
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]

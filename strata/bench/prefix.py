@@ -40,11 +40,14 @@ from strata.bench.common import (
     special_ids,
     write_json,
 )
+from strata.engine.llm import LLM
 from strata.errors import ConfigError
+from strata.protocol.sampling_params import SamplingParams
 from strata.text_table import print_table
 
 NAME = "prefix"
 HELP = "TTFT of requests sharing a long system prompt, with and without prefix caching"
+DESCRIPTION = __doc__
 
 _RATIOS = ("ttft_mean_s", "ttft_p50_s", "ttft_p90_s", "elapsed_s")
 
@@ -63,8 +66,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _run(llm, prompts: list[list[int]], fill: list[list[int]], warm: list[int], output_len: int) -> dict:
     """Warm-up (`fill`, then `warm`: the system prompt stays most recently used), then every prompt
     at once; figures from the requests' timelines."""
-    from strata.engine.sampling_params import SamplingParams
-
     short = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     llm.generate(fill, short, use_tqdm=False)
     llm.generate([warm], short, use_tqdm=False)
@@ -95,7 +96,7 @@ def _row(name: str, f: dict) -> list:
             f["elapsed_s"], f["output_tokens_per_s"], f["prompt_tokens_computed"], f"{f['hit_rate']:.1%}"]
 
 
-def main(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     if args.compare is not None:
         raise ConfigError("--compare: bench prefix compares Strata with and without prefix caching only")
     if not args.enable_prefix_caching:
@@ -110,8 +111,6 @@ def main(args: argparse.Namespace) -> int:
     need = args.prefix_len + max(suffix_lens) + args.output_len
     model = resolve_model(args)
     kw = bench_engine_kwargs(args, need, args.num_prompts)
-
-    from strata.engine.llm import LLM
 
     results: dict = {}
     info: dict = {}

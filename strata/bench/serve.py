@@ -57,13 +57,14 @@ from strata.bench.serve_workload import (
 # the workload (serve_workload.py), the client loop (serve_client.py) and the metrics
 # (serve_metrics.py) are reached from here too, as they were before the split
 __all__ = [
-    "HELP", "NAME", "PlannedRequest", "RequestRecord", "ServeBenchConfig", "ServeBenchResult", "add_arguments",
-    "benchmark", "config_from_args", "load_tokenizer", "main", "parse_rate", "parse_slo", "plan_requests",
-    "print_result", "resolve_api_key", "run_benchmark", "server_root", "summarize",
+    "DESCRIPTION", "HELP", "NAME", "PlannedRequest", "RequestRecord", "ServeBenchConfig", "ServeBenchResult", "add_arguments",
+    "benchmark", "config_from_args", "load_tokenizer", "parse_rate", "parse_slo", "plan_requests",
+    "print_result", "resolve_api_key", "run", "run_benchmark", "server_root", "summarize",
 ]
 
 NAME = BENCHMARK
 HELP = "load-test any OpenAI-compatible server: TTFT, TPOT, ITL, throughput, goodput"
+DESCRIPTION = __doc__
 
 
 def _range_text(r: tuple[int, int]) -> str:
@@ -112,7 +113,7 @@ def config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
     return cfg
 
 
-def main(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     rate = "inf" if math.isinf(cfg.request_rate) else f"{cfg.request_rate:g}"
     cap = cfg.max_concurrency if cfg.max_concurrency is not None else "no cap"

@@ -16,8 +16,10 @@ from typing import Any
 
 import numpy as np
 
+import strata.demo
 from strata.bench.common import random_prompts
 from strata.errors import ConfigError
+from strata.protocol.tokenizer import Tokenizer
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 API_KEY_ENV = ("STRATA_API_KEY", "OPENAI_API_KEY")
@@ -155,14 +157,10 @@ def resolve_api_key(explicit: str | None) -> str | None:
 
 def _demo_tokenizer_dir() -> Path:
     """strata/demo ships the demo model's tokenizer.json and tokenizer_config.json."""
-    import strata.demo
-
     return Path(strata.demo.__file__).parent
 
 
 def load_tokenizer(path: str | None):
-    from strata.engine.tokenizer import Tokenizer
-
     return Tokenizer.from_dir(path if path is not None else _demo_tokenizer_dir())
 
 

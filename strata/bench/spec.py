@@ -31,11 +31,14 @@ from strata.bench.common import (
     special_ids,
     write_json,
 )
+from strata.engine.llm import LLM
 from strata.errors import ConfigError
+from strata.protocol.sampling_params import SamplingParams
 from strata.text_table import print_table
 
 NAME = "spec"
 HELP = "speculative decoding (prompt lookup): batch-1 decode speedup and acceptance, repetitive vs random prompts"
+DESCRIPTION = __doc__
 
 TEXT_DIR = Path(__file__).resolve().parents[2] / "data" / "shakespeare" / "train"
 
@@ -66,8 +69,6 @@ def _decode_rate(out) -> float:
 
 
 def _run(llm, prompts, speculator, args) -> dict:
-    from strata.engine.sampling_params import SamplingParams
-
     eng = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     rates = {"off": [], "on": []}
@@ -96,15 +97,13 @@ def _run(llm, prompts, speculator, args) -> dict:
             "runs_tok_s": rates}
 
 
-def main(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     for flag, v in (("--input-len", args.input_len), ("--output-len", args.output_len), ("--prompts", args.prompts),
                     ("--repeats", args.repeats)):
         if v < 1:
             raise ConfigError(f"{flag}: must be >= 1, got {v}")
     if not 1 <= args.echo_len <= args.input_len:
         raise ConfigError(f"--echo-len: must be in [1, --input-len], got {args.echo_len}")
-    from strata.engine.llm import LLM
-
     kw = bench_engine_kwargs(args, args.input_len + args.echo_len + args.output_len, 1)
     kw["speculative_model"] = kw.get("speculative_model") or "ngram"  # or --speculative-model DIR: a draft model
     llm = LLM(resolve_model(args), **kw)

@@ -32,11 +32,16 @@ from strata.bench.common import (
     special_ids,
     write_json,
 )
+from strata.engine.grammar import GrammarCompiler
+from strata.engine.llm import LLM
 from strata.errors import ConfigError
+from strata.protocol.sampling_params import SamplingParams, StructuredOutput
+from strata.protocol.structured import JSON_OPTIONS, close_objects
 from strata.text_table import print_table
 
 NAME = "structured"
 HELP = "per-token and per-schema cost of structured output (JSON schema); llguidance vs xgrammar"
+DESCRIPTION = __doc__
 
 # an array of bounded records: every step is inside JSON (strings, numbers, enums), never complete early
 LONG_SCHEMA = {"type": "array", "minItems": 10_000, "items": {"type": "object", "properties": {
@@ -74,8 +79,6 @@ def _tpot(outs) -> float:
 
 
 def _overhead(llm, prompts, args) -> dict:
-    from strata.engine.sampling_params import SamplingParams, StructuredOutput
-
     masks = llm.engine.grammar_masks
     plain = [SamplingParams(temperature=1.0, seed=i, max_tokens=args.output_len, ignore_eos=True)
              for i in range(len(prompts))]
@@ -104,9 +107,6 @@ def _overhead(llm, prompts, args) -> dict:
 
 
 def _compile_times(engine, n: int) -> dict:
-    from strata.engine.grammar import GrammarCompiler
-    from strata.engine.sampling_params import StructuredOutput
-
     compiler = GrammarCompiler(engine.tokenizer.to_json(), engine.model_config.vocab_size, engine.eos_token_ids)
     t0 = time.perf_counter()
     compiler.tokenizer  # noqa: B018 - the one-off build being timed
@@ -123,8 +123,6 @@ def _compile_times(engine, n: int) -> dict:
 def _walk_llguidance(tok_json: str, vocab: int, eos: list[int], schemas: list[dict], steps: int, rng):
     import llguidance
     import torch
-
-    from strata.engine.grammar import JSON_OPTIONS, close_objects
 
     t0 = time.perf_counter()
     tok = llguidance.LLTokenizer(tok_json, n_vocab=vocab, eos_token=eos[0] if eos else None)
@@ -203,12 +201,10 @@ def _engines(engine, names: list[str], n: int, seed: int) -> list[dict]:
     return rows
 
 
-def main(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     sizes = [int(x) for x in args.batch_sizes.split(",") if x]
     if not sizes or min(sizes) < 1 or args.output_len < 2 or args.input_len < 1 or args.repeats < 1:
         raise ConfigError("--batch-sizes >= 1, --input-len >= 1, --output-len >= 2 and --repeats >= 1")
-    from strata.engine.llm import LLM
-
     kw = bench_engine_kwargs(args, args.input_len + args.output_len, max(sizes))
     llm = LLM(resolve_model(args), **kw)
     eng = llm.engine

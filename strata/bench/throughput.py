@@ -39,11 +39,15 @@ from strata.bench.common import (
     warm_capture,
     write_json,
 )
+from strata.bench.hf_peer import hf_throughput, load_hf_model
+from strata.engine.llm import LLM
 from strata.errors import ConfigError
+from strata.protocol.sampling_params import SamplingParams
 from strata.text_table import print_table
 
 NAME = "throughput"
 HELP = "offline throughput on random-token requests (optionally vs transformers)"
+DESCRIPTION = __doc__
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -70,10 +74,7 @@ def _row(name: str, f: dict) -> list:
             f["total_tokens_per_s"]]
 
 
-def main(args: argparse.Namespace) -> int:
-    from strata.engine.llm import LLM
-    from strata.engine.sampling_params import SamplingParams
-
+def run(args: argparse.Namespace) -> int:
     if args.num_prompts < 1:
         raise ConfigError(f"--num-prompts: must be >= 1, got {args.num_prompts}")
     if args.hf_batch_size < 1:
@@ -135,8 +136,6 @@ def main(args: argparse.Namespace) -> int:
     info["capture"] = capture_stats(eng)
 
     if args.compare == "hf":
-        from strata.bench.hf_peer import hf_throughput, load_hf_model
-
         path, dtype, threads = eng.model_path, eng.dtype, eng.threads
         pad = eng.eos_token_ids[0] if eng.eos_token_ids else 0
         del llm, eng, outs

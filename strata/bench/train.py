@@ -45,12 +45,16 @@ from strata.bench.train_worker import PEER_ACTIVATION_CHECKPOINTING, resolve_wit
 from strata.config import DTYPES
 from strata.cpuinfo import cpu_model_and_flags
 from strata.errors import ConfigError, StrataError
+from strata.hardware.cores import default_threads
+from strata.hardware.probe import probe
 from strata.text_table import fmt_bytes, print_table
 from strata.train.config import ACTIVATION_CHECKPOINTING, PRECISIONS
 from strata.train.flops import train_flops_per_token
+from strata.train.precision import resolve_precision
 
 NAME = "train"
 HELP = "training tokens/s, MFU and peak memory: Strata's Trainer vs a plain PyTorch/HF loop"
+DESCRIPTION = __doc__
 WORKER = "strata.bench.train_worker"
 SHORT_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
@@ -115,8 +119,6 @@ def _check_numbers(args: argparse.Namespace) -> None:
 
 def resolve_precisions(asked: list[str], device: str) -> dict[str, str]:
     """Compute dtype name -> why ("auto" is decided once, here, so both engines get the same dtype)."""
-    from strata.train.precision import resolve_precision
-
     out: dict[str, str] = {}
     for name in asked:
         dtype, why = resolve_precision(name, device)
@@ -127,8 +129,6 @@ def resolve_precisions(asked: list[str], device: str) -> dict[str, str]:
 def peak_gflops(dtypes: list[str], device: str) -> dict[str, float]:
     """The measured GEMM rate per dtype (`strata hw`; cached); NaN where unknown, so MFU reads '-'."""
     try:
-        from strata.hardware.probe import probe
-
         profile = probe(device)
     except Exception as e:  # MFU is a report, never a reason to stop
         print(f"note: no hardware profile for MFU ({e})", file=sys.stderr)
@@ -350,10 +350,8 @@ def plan_runs(dtypes: list[str], modes: list[str], peer: str) -> list[RunSpec]:
     return specs
 
 
-def main(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     import torch
-
-    from strata.hardware.placement import default_threads
 
     _check_numbers(args)
     precisions = parse_choices(args.precision, PRECISIONS, "--precision", "auto")

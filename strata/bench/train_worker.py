@@ -35,10 +35,12 @@ import torch
 
 from strata.bench.common import sync
 from strata.errors import ConfigError, StrataError
+from strata.kernels.dispatch import reference_kernels
 from strata.train.config import ACTIVATION_CHECKPOINTING, PRECISIONS, TrainConfig
 from strata.train.data import PackedWindows, batch_for
 from strata.train.metrics import peak_memory_bytes
 from strata.train.model_init import resolve
+from strata.train.precision import resolve_precision
 
 ENGINES = ("strata", "hf")
 PEER_ACTIVATION_CHECKPOINTING = ("none", "full")  # what a plain HF loop can do (gradient_checkpointing_enable)
@@ -91,8 +93,6 @@ def time_steps(step: Callable[[], float], warmup: int, steps: int, device: str) 
 
 
 def compute_dtype(precision: str, device: str) -> torch.dtype:
-    from strata.train.precision import resolve_precision
-
     return resolve_precision(precision, device)[0]
 
 
@@ -100,7 +100,9 @@ def compute_dtype(precision: str, device: str) -> torch.dtype:
 
 
 def _bench_trainer_class():
-    from strata.train.trainer import Trainer
+    from strata.train.trainer import (
+        Trainer,  # only the strata run loads it: the hf run's peak memory is its own
+    )
 
     class BenchTrainer(Trainer):
         def _peak_flops(self) -> float:
@@ -139,8 +141,6 @@ def _placeholder_text(seq_len: int) -> str:
 
 def run_strata(a: argparse.Namespace) -> dict[str, Any]:
     trainer_class = _bench_trainer_class()
-    from strata.kernels.dispatch import reference_kernels
-
     with tempfile.TemporaryDirectory(prefix="strata-bench-train-") as tmp:
         data = Path(tmp) / "placeholder.txt"
         data.write_text(_placeholder_text(a.seq_len), encoding="utf-8")

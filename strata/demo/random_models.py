@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import save_file
 
 from strata.config import cache_root
+from strata.demo.random_tokenizer import write_tokenizer
 from strata.demo.shapes import SHAPES
 from strata.errors import ConfigError
 
@@ -78,8 +79,6 @@ def random_model_path(shape: str, seed: int = 0) -> Path:
 def _ensure_tokenizer(path: Path, vocab_size: int) -> None:
     """Give the checkpoint a tokenizer covering its vocabulary (serving benchmarks send text), when
     its vocabulary is at least the demo tokenizer's; smaller shapes take token-id prompts only."""
-    from strata.demo.random_tokenizer import write_tokenizer
-
     if (path / "tokenizer.json").is_file():
         return
     try:

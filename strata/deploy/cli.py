@@ -1,4 +1,4 @@
-"""`strata deploy render` (registered by strata/cli.py): the Helm chart's values and manifests from a plan."""
+"""`strata deploy render`: the Helm chart's values and manifests from a plan."""
 
 from __future__ import annotations
 
@@ -7,6 +7,21 @@ import shlex
 import sys
 from pathlib import Path
 
+from strata.config import engine_default
+from strata.deploy import sizing as sizing_mod
+from strata.deploy.render import (
+    ChartOptions,
+    build_values,
+    chart_dir,
+    helm_available,
+    render_manifests,
+    write_outputs,
+)
+from strata.deploy.sizing import DeployRequest, size_deployment
+
+NAME = "render"
+HELP = "plan GPUs, tensor parallelism and KV cache; write values.yaml + manifests"
+DESCRIPTION = sizing_mod.__doc__
 EPILOG = """examples:
   strata deploy render --model ./Llama-2-7b-hf --hardware A100-80GB --max-model-len 4096 -o deploy/out/llama2
   strata deploy render --model ./Meta-Llama-3-70B/config.json --hardware H100x4 --max-model-len 8192 \\
@@ -17,17 +32,7 @@ then:  helm install strata deploy/helm/strata -f OUT/values.yaml   (or kubectl a
 """
 
 
-def cmd_render(args: argparse.Namespace) -> int:
-    from strata.deploy.render import (
-        ChartOptions,
-        build_values,
-        chart_dir,
-        helm_available,
-        render_manifests,
-        write_outputs,
-    )
-    from strata.deploy.sizing import DeployRequest, size_deployment
-
+def run(args: argparse.Namespace) -> int:
     chart = chart_dir(args.chart)
     req = DeployRequest(
         model=args.model, hardware=args.hardware, replicas=args.replicas, max_model_len=args.max_model_len,
@@ -66,14 +71,7 @@ def cmd_render(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(sub: argparse._SubParsersAction) -> None:
-    from strata.config import engine_default
-    from strata.deploy import sizing
-
-    d = sub.add_parser("deploy", help="Kubernetes: the Helm chart's values and manifests sized by the planner")
-    dsub = d.add_subparsers(dest="deploy_command", required=True)
-    p = dsub.add_parser("render", help="plan GPUs, tensor parallelism and KV cache; write values.yaml + manifests",
-                        description=sizing.__doc__, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="HF directory, config.json, or a random shape (smol-135m, ...)")
     p.add_argument("--hardware", default="this",
                    help="NAME or NAMExN (N GPUs per node, e.g. H100x4, L4) or 'this' (default; a CPU pod on a CPU box)")
@@ -110,4 +108,3 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--grafana-dashboard", action="store_true", help="the dashboard as a ConfigMap for Grafana's sidecar")
     c.add_argument("--gpu-product", default="", help="node label nvidia.com/gpu.product to schedule on, e.g. "
                    "NVIDIA-H100-80GB-HBM3")
-    p.set_defaults(func=cmd_render)

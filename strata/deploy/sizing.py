@@ -1,6 +1,6 @@
 """From a plan to a pod: GPUs per replica, tensor-parallel size, KV cache, CPU/memory and timeouts.
 
-The planner (analyze/plan.py) prices every tensor-parallel degree t of the hardware; here the
+The planner (planner/plan.py) prices every tensor-parallel degree t of the hardware; here the
 smallest t is chosen whose per-GPU memory holds the weights, the activation workspace and the KV
 cache of `concurrency` sequences of max_model_len, within `gpu_memory_utilization` of the
 device (the rest is left to the CUDA context, NCCL buffers and allocator fragmentation). The KV
@@ -26,12 +26,13 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from strata.analyze.cost_model import ModelShape, decode_step, prefill
-from strata.analyze.plan import Plan, PlanRequest, TPOption, build_plan, resolve_model
 from strata.config import DTYPES, engine_default
 from strata.errors import ConfigError
 from strata.graph.tensor_parallel import check_shardable
+from strata.hardware.probe import probe
 from strata.hardware.specs import parse_hardware
+from strata.planner.cost_model import ModelShape, decode_step, prefill
+from strata.planner.plan import Plan, PlanRequest, TPOption, build_plan, resolve_model
 from strata.text_table import fmt_bytes
 
 MiB, GiB = 2**20, 2**30
@@ -233,8 +234,6 @@ def _size_cpu(req: DeployRequest, plan: Plan, profile, overhead) -> Sizing:
     final = _plan(req, req.hardware, kv, profile, overhead)
     mem = final.memory
     if profile is None:
-        from strata.hardware.probe import probe
-
         profile = probe("cpu")
     cpu = req.cpus or int(profile.cores)
     host = -(-(mem.weight_bytes + mem.activation_bytes + kv + min(kv, SWAP_MAX) + HOST_BASE + SHM_ONE_RANK) // GiB) * GiB

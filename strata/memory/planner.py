@@ -9,6 +9,7 @@ import psutil
 import torch
 
 from strata.errors import CapacityError
+from strata.memory.quant import quantized_bytes
 from strata.model_config import ModelConfig
 from strata.text_table import fmt_bytes
 
@@ -29,8 +30,6 @@ def weight_bytes(
     of an fp32 model, memory/bf16_weights.py) keeps every 2-D weight, embeddings included, in 2 bytes."""
     if quantization is None:
         return cfg.num_params() * dtype.itemsize
-    from strata.memory.quant import quantized_bytes
-
     h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     mats = [
         (d * (cfg.num_heads + 2 * cfg.num_kv_heads), h),  # qkv_proj

@@ -23,6 +23,7 @@ import time
 
 import uvicorn
 
+from strata import cli_options
 from strata.config import EngineConfig
 from strata.engine.args import EngineArgs
 from strata.errors import StrataError
@@ -41,6 +42,23 @@ SERVE_EXAMPLES = """examples:
   curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
        -d '{"prompt": "Once upon a time", "max_tokens": 32, "temperature": 0}'
 """
+
+# the `strata serve` command (strata/cli/registry.py lists it)
+NAME = "serve"
+HELP = "OpenAI-compatible HTTP server"
+EPILOG = SERVE_EXAMPLES
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    EngineArgs.add_cli_args(p)
+    EngineArgs.add_model_positional(p)  # `strata serve MODEL`, as `vllm serve MODEL`
+    add_serve_args(p)
+    cli_options.enable_config(p)
+    cli_options.enable_env(p)  # STRATA_<FLAG> for every serve flag
+
+
+def run(args: argparse.Namespace) -> int:
+    return cmd_serve(args)
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:

@@ -10,17 +10,27 @@ import sys
 import typing
 from pathlib import Path
 
+from strata.comm.world import World
+from strata.config import DTYPES
+from strata.hardware.processes import die_with_parent
 from strata.train.config import (
     ACTIVATION_CHECKPOINTING,
     COMM_DTYPES,
     DISTRIBUTED,
     PRECISIONS,
     TrainConfig,
+    build_config,
+    load_toml,
 )
+from strata.train.launch import LocalTrainRanks
+from strata.train.preflight import run_checks
+from strata.train.trainer import Trainer
 
 logger = logging.getLogger(__name__)
 
-EXAMPLES = """examples:
+NAME = "train"
+HELP = "train a model (mixed precision, checkpointing, DDP/FSDP)"
+EPILOG = """examples:
   strata train --data data/shakespeare/train --eval-data data/shakespeare/heldout --max-steps 200
   strata train --config train.toml --lr 1e-3              # flags override the file's keys
   strata train --model smol-135m --data corpus/ --precision bfloat16 --activation-checkpointing full
@@ -30,7 +40,7 @@ EXAMPLES = """examples:
   strata train --data corpus/ --check                       # preflight checklist, trains nothing
 """
 
-HELP = {
+FLAG_HELP = {
     "model": "named size (demo, tiny, smol-135m, qwen-0.5b), a config.json, or an HF checkpoint dir",
     "tokenizer": "directory with tokenizer.json (default: the model's, else the demo tokenizer)",
     "data": "text files, JSONL files (a \"text\" field) or directories of them (repeatable)",
@@ -61,9 +71,7 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def register(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser("train", help="train a model (mixed precision, checkpointing, DDP/FSDP)",
-                       epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, help="TOML file of TrainConfig keys (flags override it)")
     p.add_argument("--check", action="store_true", help="run the preflight checklist and exit")
     p.add_argument("--export", default=None, metavar="DIR", help="write the trained model as an HF directory")
@@ -74,7 +82,7 @@ def register(sub) -> argparse.ArgumentParser:
     hints = typing.get_type_hints(TrainConfig)
     for f in dataclasses.fields(TrainConfig):
         default = getattr(defaults, f.name)
-        help_text = HELP.get(f.name, f.name.replace("_", " "))
+        help_text = FLAG_HELP.get(f.name, f.name.replace("_", " "))
         hint = hints[f.name]
         if f.name in ("data", "eval_data"):
             p.add_argument(_flag(f.name), action="append", default=None, help=help_text)
@@ -85,31 +93,20 @@ def register(sub) -> argparse.ArgumentParser:
             base = next((t for t in typing.get_args(hint) if t is not type(None)), hint) if typing.get_args(hint) else hint
             p.add_argument(_flag(f.name), type=base, default=None, choices=CHOICES.get(f.name),
                            help=f"{help_text} (default: {default})")
-    p.set_defaults(func=cmd_train)
-    return p
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    from strata.train.config import build_config, load_toml
-
     file_values = load_toml(args.config) if args.config else {}
     flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
     return build_config(file_values, flags)
 
 
-def cmd_train(args: argparse.Namespace) -> int:
-    from strata.comm.world import World
-    from strata.hardware.processes import die_with_parent
-
+def run(args: argparse.Namespace) -> int:
     die_with_parent()
     cfg = config_from_args(args)
     if args.check:
-        from strata.train.preflight import run_checks
-
         return run_checks(cfg)
     if cfg.nproc_per_node > 1 and World.from_env() is None:
-        from strata.train.launch import LocalTrainRanks
-
         raw = getattr(args, "raw_argv", sys.argv[1:])
         train_args = raw[raw.index("train") + 1:]
         with LocalTrainRanks(cfg.nproc_per_node, train_args) as ranks:
@@ -122,8 +119,6 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def _run(cfg: TrainConfig, args: argparse.Namespace) -> int:
-    from strata.train.trainer import Trainer
-
     trainer = Trainer(cfg)
     if trainer.rank == 0:
         print(f"training {cfg.model} ({trainer.model_config.num_params() / 1e6:.2f}M parameters) on "
@@ -135,8 +130,6 @@ def _run(cfg: TrainConfig, args: argparse.Namespace) -> int:
         result = trainer.fit()
         export = None
         if args.export and not result.stopped_by_signal:
-            from strata.config import DTYPES
-
             export = trainer.export(Path(args.export), DTYPES[args.export_dtype])
         clean = True
     finally:

@@ -11,6 +11,8 @@ import torch
 
 from strata.config import DTYPES
 from strata.errors import ConfigError
+from strata.hardware.dtype_policy import train_dtype
+from strata.hardware.probe import probe
 
 logger = logging.getLogger(__name__)
 
@@ -22,9 +24,6 @@ def resolve_precision(name: str, device: str) -> tuple[torch.dtype, str]:
         if device.startswith("cuda") and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
             raise ConfigError("--precision bfloat16: this GPU has no bf16; use float16 (loss-scaled) or float32")
         return dtype, "as asked (--precision)"
-    from strata.hardware.dtype_policy import train_dtype
-    from strata.hardware.probe import probe
-
     return train_dtype(probe(device))
 
 

@@ -24,6 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 from strata.errors import StrataError
 from strata.graph.models.llama import CausalLM
+from strata.hardware.probe import probe
 from strata.kernels.dispatch import reference_kernels
 from strata.train import checkpoint as ckpt
 from strata.train import distributed
@@ -163,8 +164,6 @@ class Trainer:
         """One rank's measured GEMM rate for the compute dtype (`strata hw`, at this process's thread
         count), for MFU against rank x world size; 0 if unknown."""
         try:
-            from strata.hardware.probe import probe
-
             p = probe(self.cfg.device)
         except Exception as e:  # MFU is a report, never a reason to stop
             logger.info("no hardware profile for MFU (%s)", e)

@@ -332,9 +332,9 @@ def test_serve_verdicts_from_stage_counters():
 
 
 def test_serve_crossover_from_the_planner(tiny_ckpt, cpu_profile, monkeypatch):
-    from strata.analyze import analyze_cli
-    from strata.analyze.plan import ModelShape, crossover_batch, resolve_model, this_device
+    from strata.analyze import cli as analyze_cli
     from strata.hardware import probe as probe_mod
+    from strata.planner.plan import ModelShape, crossover_batch, resolve_model, this_device
 
     monkeypatch.setattr(probe_mod, "probe", lambda device="cpu", refresh=False: cpu_profile)
     got = analyze_cli._decode_crossover(str(tiny_ckpt), "float32", None, 100)

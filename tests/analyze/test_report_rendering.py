@@ -21,8 +21,8 @@ import pytest
 
 from strata.analyze.analyze import Action, Analysis, Phase, Verdict
 from strata.analyze.analyze_report import format_html as analyze_html
-from strata.analyze.plan import PlanRequest, build_plan
-from strata.analyze.plan_report import format_html as plan_html
+from strata.planner.plan import PlanRequest, build_plan
+from strata.planner.plan_report import format_html as plan_html
 
 BROWSERS = ("chromium", "chromium-browser", "google-chrome")
 
@@ -136,8 +136,8 @@ def test_analyze_report_charts_are_not_clipped(chromium, tmp_path, samples):
 
 
 def test_every_segment_of_the_time_split_has_its_own_colour():
-    from strata.analyze import charts
     from strata.analyze.analyze import CATEGORY_LABELS
+    from strata.planner import charts
 
     assert len(set(charts.PALETTE)) >= len(CATEGORY_LABELS)
 

@@ -8,10 +8,10 @@ import math
 
 import pytest
 
-from strata.analyze import plan_accuracy
-from strata.analyze.calibrate import StepOverhead
-from strata.analyze.plan import PlanRequest, build_plan
+from strata.bench import plan_accuracy
 from strata.cli import main
+from strata.planner.calibrate import StepOverhead
+from strata.planner.plan import PlanRequest, build_plan
 
 
 @pytest.fixture(autouse=True)

@@ -9,11 +9,11 @@ import json
 import pytest
 import yaml
 
-from strata.analyze.calibrate import StepOverhead
-from strata.analyze.plan import PlanRequest, build_plan
 from strata.deploy.render import ChartOptions, build_values, chart_dir, render_manifests
 from strata.deploy.sizing import DeployRequest, GiB, MiB, size_deployment
 from strata.errors import ConfigError
+from strata.planner.calibrate import StepOverhead
+from strata.planner.plan import PlanRequest, build_plan
 from tests.deploy.manifests import kinds, pod_specs, validate_object, validate_values
 
 

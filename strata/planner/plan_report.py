@@ -1,11 +1,11 @@
-"""Text and self-contained HTML renderings of a `strata plan` (analyze/plan.py)."""
+"""Text and self-contained HTML renderings of a `strata plan` (plan.py)."""
 
 from __future__ import annotations
 
 from html import escape
 
-from strata.analyze import charts
-from strata.analyze.plan import Plan
+from strata.planner import charts
+from strata.planner.plan import Plan
 from strata.text_table import fmt_bytes
 
 ACT_FORMULA = ("max_num_batched_tokens x (2 x hidden + qkv width + 3 x intermediate) x bytes "
@@ -70,7 +70,7 @@ def prefill_lines(p: Plan) -> list[str]:
         + (f"  + overhead {_ms(f.overhead_s)} ms" if f.overhead_s else "")
         + (f"  + all-reduce {_ms(f.comm_s)} ms" if f.comm_s else ""),
     ] + (["  (projections, attention and elementwise: one layer of this model timed on this device "
-          "at the prompt's chunk length, times the layer count; analyze/layer_probe.py)"]
+          "at the prompt's chunk length, times the layer count; planner/layer_probe.py)"]
          if f.source == "layer probe" else [])
 
 

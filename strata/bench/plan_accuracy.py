@@ -44,11 +44,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from strata.bench.common import write_json
+from strata.config import engine_default
 from strata.errors import ConfigError
+from strata.hardware.measure import CPU_LINEAR_SHAPE, QUANT_LINEAR_SHAPE
+from strata.kernels import cpu_quant
+from strata.kernels.linear import linear
+from strata.planner.cost_model import ModelShape, decode_step, prefill
+from strata.planner.decode_probe import decode_probe, forget
+from strata.planner.plan import PlanRequest, build_plan, resolve_model
 from strata.text_table import print_table
 
 NAME = "plan-accuracy"
 HELP = "strata plan's predictions vs strata bench latency, measured in one run"
+DESCRIPTION = __doc__
 
 # Seconds each re-timing runs (before and after a measured run, at the case's batch only): the
 # VM's bandwidth swings ~1.5x within seconds, and 7 batch-1 steps (70-140 ms) sampled one swing,
@@ -112,10 +120,6 @@ def _stream_now(dtype: str, quantization: str | None, seconds: float = 1.0) -> f
 
     import torch
 
-    from strata.hardware.measure import CPU_LINEAR_SHAPE, QUANT_LINEAR_SHAPE
-    from strata.kernels import cpu_quant
-    from strata.kernels.linear import linear
-
     with torch.inference_mode():
         if quantization in ("int8", "int4"):
             n, k = QUANT_LINEAR_SHAPE
@@ -164,9 +168,6 @@ def _probe_model(plan, cfg, args: argparse.Namespace):
     """The plan's probe model (decode_probe.py; built once per process, so re-timing is cheap)."""
     import torch
 
-    from strata.analyze.decode_probe import decode_probe
-    from strata.config import engine_default
-
     return decode_probe(cfg, getattr(torch, plan.dtype), args.quantization, engine_default("quantization_group_size"),
                         plan.device.torch_device or "cpu")
 
@@ -185,8 +186,6 @@ def _mean_times(a, b):
 
 
 def _predict(model: str, dtype: str, quantization: str | None):
-    from strata.analyze.plan import PlanRequest, build_plan
-
     req = PlanRequest(model=model, dtype=dtype, quantization=quantization, batch=16, input_len=512, context=192, max_model_len=2048,
                       refresh=True)
     return build_plan(req)
@@ -223,9 +222,6 @@ def _drift(a: float, b: float) -> float:
 def _round(plan, cfg, shape, model: str, args: argparse.Namespace, batch: int, n_in: int, n_out: int,
            prefill_case: bool) -> Round:
     """Re-time, measure (one `strata bench latency` child), re-time, and predict from the mean."""
-    from strata.analyze.cost_model import decode_step, prefill
-    from strata.config import engine_default
-
     layer_ms = None
     if prefill_case and plan.decode_probe is not None and plan.prefill_layer is not None:
         # the probe's model timed over the prompt just before and after, as for decode
@@ -267,11 +263,7 @@ def _rounds(run, wanted: int, label: str) -> tuple[Round, list[Round]]:
     return pool[(len(pool) - 1) // 2], done
 
 
-def main(args: argparse.Namespace) -> int:
-    from strata.analyze.cost_model import ModelShape
-    from strata.analyze.plan import resolve_model
-    from strata.config import engine_default
-
+def run(args: argparse.Namespace) -> int:
     if args.rounds < 1:
         raise ConfigError(f"--rounds {args.rounds}: must be at least 1")
     models = args.model or ["smol-135m", "qwen-0.5b"]
@@ -300,8 +292,6 @@ def main(args: argparse.Namespace) -> int:
                          f"{r.error:+.1%}", f"±{target:.0%}", "yes" if ok else "NO",
                          f"{stable}/{len(done)}", f"{min(errors):+.0%}..{max(errors):+.0%}",
                          "-" if r.layer_ms is None else r.layer_ms, r.stream])
-        from strata.analyze.decode_probe import forget
-
         forget()  # this model's probe layers: freed before the next model's
     print()
     print_table(["model", "case", "unit", "predicted", "measured", "error", "target", "within", "stable",

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from strata.analyze import calibrate
-from strata.analyze.calibrate import StepOverhead, _interp
+from strata.planner import calibrate
+from strata.planner.calibrate import StepOverhead, _interp
 
 
 def test_interp_and_at() -> None:

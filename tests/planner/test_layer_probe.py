@@ -8,9 +8,9 @@ import json
 import pytest
 import torch
 
-from strata.analyze.calibrate import StepOverhead
-from strata.analyze.layer_probe import LayerTimes, measure_prefill_layer
-from strata.analyze.plan import (
+from strata.planner.calibrate import StepOverhead
+from strata.planner.layer_probe import LayerTimes, measure_prefill_layer
+from strata.planner.plan import (
     ModelShape,
     PlanRequest,
     build_plan,

@@ -10,8 +10,12 @@ import math
 import pytest
 import torch
 
-from strata.analyze.calibrate import StepOverhead
-from strata.analyze.plan import (
+from strata.errors import ConfigError
+from strata.hardware.specs import lookup
+from strata.memory.planner import kv_bytes_per_token, weight_bytes
+from strata.model_config import ModelConfig
+from strata.planner.calibrate import StepOverhead
+from strata.planner.plan import (
     ModelShape,
     PlanRequest,
     allreduce_seconds,
@@ -22,10 +26,6 @@ from strata.analyze.plan import (
     spec_device,
     this_device,
 )
-from strata.errors import ConfigError
-from strata.hardware.specs import lookup
-from strata.memory.planner import kv_bytes_per_token, weight_bytes
-from strata.model_config import ModelConfig
 
 
 def _llama(name, hidden, inter, layers, heads, kv, vocab, tied=False, arch="LlamaForCausalLM", **kw):
@@ -192,7 +192,7 @@ def test_prefill_formula(cpu_profile) -> None:
     cfg, _ = resolve_model("smol-135m")
     shape = ModelShape.of(cfg, torch.float32, None, 64)
     dev = this_device(cpu_profile, torch.float32, None)
-    from strata.analyze.plan import prefill
+    from strata.planner.plan import prefill
 
     p = prefill(shape, dev, 512, 2048)
     attn = 2 * 30 * 9 * 64 * 512 * 513

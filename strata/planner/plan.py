@@ -50,7 +50,16 @@ from typing import Any
 
 import torch
 
-from strata.analyze.cost_model import (
+from strata.config import DTYPES, engine_default
+from strata.demo.random_models import SHAPES
+from strata.errors import CapacityError, ConfigError
+from strata.hardware import probe as hw_probe
+from strata.hardware.probe import auto_dtype
+from strata.hardware.specs import lookup, parse_hardware
+from strata.memory.planner import plan_memory
+from strata.model_config import ModelConfig
+from strata.planner.calibrate import step_overhead
+from strata.planner.cost_model import (
     Device,
     ModelShape,
     Prefill,
@@ -65,12 +74,12 @@ from strata.analyze.cost_model import (
     this_device,
     tp_allreduce_seconds,
 )
-from strata.analyze.decode_probe import plan_probe, whole_prompt_layer
-from strata.config import DTYPES, engine_default
-from strata.errors import CapacityError, ConfigError
-from strata.hardware.specs import lookup, parse_hardware
-from strata.memory.planner import plan_memory
-from strata.model_config import ModelConfig
+from strata.planner.decode_probe import plan_probe, whole_prompt_layer
+from strata.planner.layer_probe import (
+    PROBE_MAX_TOKENS,
+    measure_prefill_layer,
+    probe_seconds,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -105,8 +114,6 @@ class PlanRequest:
 
 def resolve_model(spec: str) -> tuple[ModelConfig, str]:
     """--model: an HF directory, a config.json, or a random shape name (smol-135m, ...)."""
-    from strata.demo.random_models import SHAPES
-
     if spec in SHAPES:
         return ModelConfig.from_dict(dict(SHAPES[spec], torch_dtype="float32"), spec), spec
     path = Path(spec).expanduser()
@@ -271,8 +278,6 @@ def _resolve_dtype(name: str, cfg: ModelConfig, profile) -> torch.dtype:
     if name == "auto":
         if profile is None:
             return cfg.torch_dtype if cfg.torch_dtype in DTYPES.values() else torch.float32
-        from strata.hardware.probe import auto_dtype
-
         return auto_dtype(profile.device, cfg.torch_dtype, profile)
     if name not in DTYPES:
         raise ConfigError(f"--dtype {name!r}: choose auto, float32, bfloat16 or float16")
@@ -292,12 +297,10 @@ def build_plan(req: PlanRequest, profile=None, overhead=None) -> Plan:
     notes: list[str] = []
     if is_this:
         if profile is None:
-            from strata.hardware.probe import cached_comm_model, probe
-
             where = "cuda:0" if torch.cuda.is_available() else "cpu"
-            if count != 1 and cached_comm_model(where) is None:  # refused before measuring anything
+            if count != 1 and hw_probe.cached_comm_model(where) is None:  # refused before measuring anything
                 check_tp_count(None, count)
-            profile = probe(where, refresh=req.refresh)
+            profile = hw_probe.probe(where, refresh=req.refresh)
         dtype = _resolve_dtype(req.dtype, cfg, profile)
         dev = this_device(profile, dtype, req.quantization, count)
     else:
@@ -309,8 +312,6 @@ def build_plan(req: PlanRequest, profile=None, overhead=None) -> Plan:
     input_len = req.input_len or max_len
     context = req.context or max_len
     if is_this and overhead is None:
-        from strata.analyze.calibrate import step_overhead
-
         tiny_probes: dict[str, Any] = {}
 
         def kernel_seconds(c: ModelConfig, batch: int, ctx: int) -> float:
@@ -332,12 +333,6 @@ def build_plan(req: PlanRequest, profile=None, overhead=None) -> Plan:
     steps = [decode_step(shape, dev, b, context, 1, overhead, probe) for b in _batches(req.batch)]
     layer = None
     if is_this:
-        from strata.analyze.layer_probe import (
-            PROBE_MAX_TOKENS,
-            measure_prefill_layer,
-            probe_seconds,
-        )
-
         tokens = min(input_len, req.max_num_batched_tokens, PROBE_MAX_TOKENS)
         cost = probe_seconds(2 * shape.p_layers / cfg.num_layers * tokens / (dev.gemm_gflops * 1e9))
         if cost <= LAYER_PROBE_BUDGET_S:

@@ -9,12 +9,12 @@ import json
 import pytest
 import torch
 
-from strata.analyze import train_plan
-from strata.analyze.train_plan import TrainPlanRequest, build_train_plan, format_train_plan
 from strata.demo.random_models import SHAPES
 from strata.graph.models.llama import CausalLM
 from strata.kernels.dispatch import reference_kernels
 from strata.model_config import ModelConfig
+from strata.planner import train_plan
+from strata.planner.train_plan import TrainPlanRequest, build_train_plan, format_train_plan
 from strata.train import memory_plan
 from strata.train.activation_checkpoint import apply_activation_checkpointing
 from strata.train.config import TrainConfig

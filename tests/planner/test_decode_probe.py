@@ -8,8 +8,11 @@ import json
 import pytest
 import torch
 
-from strata.analyze.calibrate import StepOverhead
-from strata.analyze.decode_probe import (
+from strata.graph.layers import Linear
+from strata.kernels import cpu_decode_layer
+from strata.memory.quant import QuantLinear
+from strata.planner.calibrate import StepOverhead
+from strata.planner.decode_probe import (
     PROBE_BATCHES,
     PROBE_CONTEXT,
     DecodeProbe,
@@ -19,7 +22,7 @@ from strata.analyze.decode_probe import (
     forget,
     layers_to_build,
 )
-from strata.analyze.plan import (
+from strata.planner.plan import (
     ModelShape,
     PlanRequest,
     build_plan,
@@ -27,9 +30,6 @@ from strata.analyze.plan import (
     resolve_model,
     this_device,
 )
-from strata.graph.layers import Linear
-from strata.kernels import cpu_decode_layer
-from strata.memory.quant import QuantLinear
 
 TIMES = DecodeTimes(batches=(1, 16, 64), layer_s=(0.001, 0.004, 0.010), head_s=(0.002, 0.003, 0.007),
                     context=128, layers=4)
@@ -103,7 +103,7 @@ LLAMA_2_7B = dict(architectures=["LlamaForCausalLM"], hidden_size=4096, intermed
 
 def test_this_plan_prices_decode_from_the_probe_and_falls_back_past_the_budget(tiny_ckpt, cpu_profile,
                                                                               tmp_path, monkeypatch) -> None:
-    import strata.analyze.decode_probe as probe_module
+    import strata.planner.decode_probe as probe_module
 
     plan = build_plan(PlanRequest(model=str(tiny_ckpt), hardware="this", dtype="float32", max_model_len=128,
                                   input_len=64, context=128, batch=4, quantization="int8"),

@@ -1,26 +1,44 @@
-"""`strata <command>`: generate, bench."""
+"""`strata generate`: one prompt streamed to the terminal, or a JSONL file of prompts in a batch."""
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 import time
 from pathlib import Path
 
 from strata import cli_options
+from strata.demo.model import DEMO_SUMMARY
 from strata.engine.args import EngineArgs
+from strata.engine.llm import LLM
 from strata.errors import StrataError
-from strata.logs import setup_logging
+from strata.graph.fusion import PATTERNS, expected_counts
+from strata.protocol.sampling_params import SamplingParams
 
-GENERATE_EXAMPLES = """examples:
+NAME = "generate"
+HELP = "generate text"
+
+EPILOG = """examples:
   strata generate --prompt "Once upon a time"            # demo model, streams to the terminal
   strata generate --model ./Llama-3.2-1B --prompt "Hi" --temperature 0.7 --top-p 0.9 --seed 1
   strata generate --model ./qwen --input prompts.jsonl --output results.jsonl --max-tokens 128
     (prompts.jsonl: one JSON object per line with "prompt" (text) or "prompt_token_ids",
      optionally per-request sampling fields such as "max_tokens" or "temperature")
 """
+
+
+def add_arguments(g: argparse.ArgumentParser) -> None:
+    g.add_argument("--prompt", default=None, help="one prompt; tokens stream to the terminal")
+    g.add_argument("--input", default=None, help="JSONL file of prompts (batch mode, progress bar)")
+    g.add_argument("--output", default=None, help="JSONL results file for --input (default: stdout)")
+    g.add_argument("--print-fusions", action="store_true",
+                   help="print how many of each FX fusion pattern were rewritten (turns on --fuse unless "
+                   "--no-fuse)")
+    EngineArgs.add_cli_args(g)
+    EngineArgs.add_model_positional(g)  # `strata generate MODEL`, as `vllm serve MODEL`
+    add_sampling_args(g)
+    cli_options.enable_config(g)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -57,8 +75,6 @@ def sampling_from_args(args: argparse.Namespace, llm, overrides: dict | None = N
     """Flags given explicitly, else the checkpoint's generation_config.json, else greedy."""
     kw = {f: getattr(args, f) for f in _SAMPLING_FIELDS if getattr(args, f, None) is not None}
     kw.update({k: v for k, v in (overrides or {}).items() if k in _SAMPLING_FIELDS})
-    from strata.engine.sampling_params import SamplingParams
-
     return SamplingParams(**{"temperature": 0.0, **llm.engine.generation_defaults, **kw})
 
 
@@ -112,8 +128,6 @@ def _read_jsonl(path: Path) -> list[dict]:
 
 def _print_fusions(llm) -> None:
     """The FX fusion report: patterns rewritten, and what the model's structure implies."""
-    from strata.graph.fusion import PATTERNS, expected_counts
-
     fused = llm.engine.fusion
     if fused is None:
         print("fusions: off (--no-fuse)", file=sys.stderr)
@@ -137,15 +151,11 @@ def _model_note(engine_args: EngineArgs) -> str | None:
         return (f"note: --random-model {engine_args.random_model} has random weights: its text is noise (for "
                 f"benchmarks); {REAL_MODEL_HINT}")
     if engine_args.model is None:
-        from strata.demo.model import DEMO_SUMMARY
-
         return f"note: the built-in demo model ({DEMO_SUMMARY}); {REAL_MODEL_HINT}"
     return None
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
-    from strata.engine.llm import LLM
-
+def run(args: argparse.Namespace) -> int:
     if (args.prompt is None) == (args.input is None):
         raise StrataError("give exactly one of --prompt TEXT or --input prompts.jsonl")
     engine_args = EngineArgs.from_cli_args(args)
@@ -190,106 +200,3 @@ def cmd_generate(args: argparse.Namespace) -> int:
     generated = sum(len(c.token_ids) for o in outs for c in o.outputs)
     print(f"{len(outs)} requests, {generated} tokens in {elapsed:.1f}s ({generated / elapsed:.1f} tok/s)", file=sys.stderr)
     return 0
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = cli_options.StrataParser(prog="strata", description="Strata: an LLM runtime that knows why it is fast "
-                                      "or slow")
-    cli_options.add_logging_flags(parser, top=True)
-    sub = parser.add_subparsers(dest="command", required=True)
-    g = sub.add_parser(
-        "generate", help="generate text", epilog=GENERATE_EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    g.add_argument("--prompt", default=None, help="one prompt; tokens stream to the terminal")
-    g.add_argument("--input", default=None, help="JSONL file of prompts (batch mode, progress bar)")
-    g.add_argument("--output", default=None, help="JSONL results file for --input (default: stdout)")
-    g.add_argument("--print-fusions", action="store_true",
-                   help="print how many of each FX fusion pattern were rewritten (turns on --fuse unless "
-                   "--no-fuse)")
-    EngineArgs.add_cli_args(g)
-    EngineArgs.add_model_positional(g)  # `strata generate MODEL`, as `vllm serve MODEL`
-    add_sampling_args(g)
-    cli_options.enable_config(g)
-    g.set_defaults(func=cmd_generate)
-    from strata.server.main import SERVE_EXAMPLES, add_serve_args, cmd_serve
-
-    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server", epilog=SERVE_EXAMPLES,
-                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    EngineArgs.add_cli_args(sv)
-    EngineArgs.add_model_positional(sv)  # `strata serve MODEL`, as `vllm serve MODEL`
-    add_serve_args(sv)
-    cli_options.enable_config(sv)
-    cli_options.enable_env(sv)  # STRATA_<FLAG> for every serve flag
-    sv.set_defaults(func=cmd_serve)
-    from strata.bench import cli as bench_cli
-
-    bench_sub = bench_cli.register(sub)
-    from strata.analyze import (
-        plan_accuracy,  # `strata bench plan-accuracy`: the planner vs bench latency
-    )
-
-    bench_cli.add_module(bench_sub, plan_accuracy)
-    from strata.analyze import cli as analyze_cli  # `strata hw`, `strata plan`
-
-    analyze_cli.register(sub)
-    from strata.analyze import analyze_cli as analyze_cmd  # `strata analyze`
-
-    analyze_cmd.register(sub)
-    from strata.train import cli as train_cli  # `strata train`
-
-    train_cli.register(sub)
-    from strata.deploy import cli as deploy_cli  # `strata deploy render`
-
-    deploy_cli.register(sub)
-    for leaf in cli_options.walk_leaves(parser):  # `strata generate -v` as well as `strata -v generate`
-        cli_options.add_logging_flags(leaf, default_level="info" if leaf is sv else "warning")
-    return parser
-
-
-def _torchrun_worker(args: argparse.Namespace) -> int | None:
-    """Under torchrun with --tensor-parallel-size N, ranks > 0 run the steps of rank 0's engine
-    instead of the command (rank 0 serves, generates or benchmarks); None on rank 0 / no torchrun."""
-    tp = getattr(args, "tensor_parallel_size", 1) or 1
-    if tp < 2:
-        return None
-    from strata.comm.world import World
-
-    world = World.from_env()
-    if world is None or world.rank == 0:
-        return None
-    from strata.engine.tp_worker import exit_now, run_worker
-
-    exit_now(run_worker(EngineArgs.from_cli_args(args).create_engine_config()))
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Run a command; errors are one line (exit 2), Ctrl-C is one line "interrupted" (exit 130).
-
-    After a KeyboardInterrupt, SIGINT is ignored so that a second Ctrl-C while we unwind (threads
-    joining, atexit hooks) cannot print a traceback. `strata serve` handles SIGINT itself once it
-    has started (main.py: drain, stop the children, exit 130)."""
-    import signal
-
-    try:
-        argv = list(sys.argv[1:] if argv is None else argv)
-        args = build_parser().parse_args(argv)
-        args.raw_argv = argv  # a command that re-launches itself (strata train's local ranks) needs it
-        setup_logging(cli_options.log_level(args, default="info" if args.command == "serve" else "warning"))
-        worker = _torchrun_worker(args)
-        if worker is not None:
-            return worker
-        return args.func(args)
-    except (StrataError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        with contextlib.suppress(Exception):
-            sys.stdout.flush()
-        print("interrupted", file=sys.stderr, flush=True)
-        return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())

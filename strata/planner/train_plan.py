@@ -25,13 +25,13 @@ from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
 
-from strata.analyze.plan import resolve_model
 from strata.config import DTYPES
 from strata.demo.model import demo_config
 from strata.errors import ConfigError, StrataError
 from strata.hardware.probe import probe
 from strata.hardware.specs import lookup, parse_hardware
 from strata.model_config import ModelConfig
+from strata.planner.plan import resolve_model
 from strata.text_table import fmt_bytes, print_table
 from strata.train.config import ACTIVATION_CHECKPOINTING
 from strata.train.memory_plan import TrainMemory, predict_train_memory

@@ -22,9 +22,12 @@ import torch
 
 from strata.comm.alpha_beta import CommModel, model_seconds
 from strata.errors import ConfigError
+from strata.hardware.measure import MATMUL_BATCH
 from strata.hardware.specs import AcceleratorSpec
 from strata.memory.planner import kv_bytes_per_token, weight_bytes
 from strata.model_config import ModelConfig
+from strata.platform.cpu_policy import GEMM_RATE_KEY as rate_key
+from strata.platform.cpu_policy import int8_prefill_gemm, prefill_gemms
 
 # alpha (per-message latency) is on no datasheet: an assumption of NCCL-typical order, shown in
 # the output and overridable with --alpha-us
@@ -116,8 +119,6 @@ def this_device(profile, dtype: torch.dtype, quantization: str | None, count: in
     """Rates measured on this machine (a HardwareProfile), matched to the kernels Strata runs.
     count > 1 (`thisxN`): N ranks of this machine, their all-reduce priced by the profile's
     comm model (measured_tp)."""
-    from strata.hardware.measure import MATMUL_BATCH
-
     dname = str(dtype).replace("torch.", "")
     cpu = profile.device == "cpu"
 
@@ -128,9 +129,6 @@ def this_device(profile, dtype: torch.dtype, quantization: str | None, count: in
 
     notes = [f"measured on this machine by strata hw ({profile.name}, {profile.threads} threads)"]
     if cpu:
-        from strata.platform.cpu_policy import GEMM_RATE_KEY as rate_key
-        from strata.platform.cpu_policy import prefill_gemms
-
         fp32_path, narrow_path, _ = prefill_gemms(profile)  # the GEMMs the engine will mark
     if cpu and quantization == "bf16":  # bf16 weights, fp32 compute (memory/bf16_weights.py)
         stream = need(profile.linear_gbs, "bfloat16", "batch-1 linear")
@@ -139,8 +137,6 @@ def this_device(profile, dtype: torch.dtype, quantization: str | None, count: in
         attn = profile.sdpa_gflops.get("float32", 0.0)
         notes.append(f"bf16 weights read narrow at decode; prefill GEMM {narrow_path} (as the engine picks it)")
     elif cpu and quantization is not None:
-        from strata.platform.cpu_policy import int8_prefill_gemm
-
         stream = need(profile.quant_linear_gbs, quantization, "quantised batch-1")
         few = need(profile.quant_matmul_gflops, quantization, "quantised batch-16")
         int8_path = int8_prefill_gemm(profile, narrow_path, quantization)[0]

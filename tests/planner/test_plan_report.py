@@ -8,9 +8,9 @@ from html.parser import HTMLParser
 
 import pytest
 
-from strata.analyze import charts
-from strata.analyze.plan import PlanRequest, build_plan
-from strata.analyze.plan_report import format_html, format_text
+from strata.planner import charts
+from strata.planner.plan import PlanRequest, build_plan
+from strata.planner.plan_report import format_html, format_text
 
 VOID = {"meta", "br", "img", "hr", "input", "link"}
 

@@ -29,8 +29,18 @@ from dataclasses import dataclass
 
 import torch
 
-from strata.analyze.cost_model import Device, ModelShape, decode_step
+from strata.graph.models.llama import CausalLM
+from strata.hardware import probe as hw_probe
+from strata.kernels.attention import AttentionMetadata, PrefillSpan, select_backend
+from strata.memory.arena import rehome_in_arena
+from strata.memory.bf16_weights import narrow_model
+from strata.memory.kv_cache import allocate_kv_cache
+from strata.memory.planner import weight_bytes
+from strata.memory.quant import quantize_model
 from strata.model_config import ModelConfig
+from strata.planner.cost_model import Device, ModelShape, decode_step
+from strata.platform.cpu_decode_step import CpuDecodeStep
+from strata.platform.cpu_policy import mark_prefill_gemms
 
 logger = logging.getLogger(__name__)
 
@@ -77,22 +87,13 @@ def store_like_engine(model, quantization: str | None, group: int, device: str) 
     """The engine's weight formats and placement (engine/build.py: load into a weight arena,
     quantize, then mark_gemms): the arena's transparent huge pages make the GEMVs ~14% faster."""
     if quantization is None and device == "cpu":
-        from strata.memory.arena import rehome_in_arena
-
         rehome_in_arena(model)  # the loader's arena (quantisation re-homes in its own)
     elif quantization == "bf16":
-        from strata.memory.bf16_weights import narrow_model
-
         narrow_model(model)
     elif quantization is not None:
-        from strata.memory.quant import quantize_model
-
         quantize_model(model, quantization, group)
     if device == "cpu":
-        from strata.hardware.probe import probe
-        from strata.platform.cpu_policy import mark_prefill_gemms
-
-        mark_prefill_gemms(model, probe("cpu"))
+        mark_prefill_gemms(model, hw_probe.probe("cpu"))
 
 
 def layers_to_build(cfg: ModelConfig, layer_bytes: int) -> int:
@@ -104,10 +105,6 @@ class DecodeProbe:
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, quantization: str | None, group: int,
                  device: str = "cpu", layer_bytes: int | None = None) -> None:
-        from strata.graph.models.llama import CausalLM
-        from strata.kernels.attention import select_backend
-        from strata.memory.kv_cache import allocate_kv_cache
-
         if layer_bytes is None:
             layer_bytes = estimate_layer_bytes(cfg, dtype, quantization, group)
         self.cfg, self.device = cfg, torch.device(device)
@@ -131,8 +128,6 @@ class DecodeProbe:
             cache.normal_(generator=gen)
         self.blocks_per_seq = blocks_per_seq
         # the engine's decode step on CPU (the fused layer loop), its head left out: timed apart
-        from strata.platform.cpu_decode_step import CpuDecodeStep
-
         self.step = CpuDecodeStep(self.model, self.kv_caches, BLOCK, fused_head=False) if device == "cpu" else None
 
     def _decode(self, ids, positions, meta, kv_caches) -> torch.Tensor:
@@ -141,8 +136,6 @@ class DecodeProbe:
         return self.model(ids, positions, meta, kv_caches) if hidden is None else hidden
 
     def _step_inputs(self, batch: int):
-        from strata.kernels.attention import AttentionMetadata
-
         dev, n, pos = self.device, self.blocks_per_seq, PROBE_CONTEXT
         tables = torch.arange(batch * n, device=dev).view(batch, n)
         positions = torch.full((batch,), pos, dtype=torch.long, device=dev)
@@ -204,8 +197,6 @@ class DecodeProbe:
         """Mean seconds per layer of one `tokens`-token prompt (no prior context) through the
         probe's layers: the engine's prefill forward, every built layer once per pass (timed for
         at least `min_seconds`)."""
-        from strata.kernels.attention import AttentionMetadata, PrefillSpan
-
         if not 1 <= tokens <= PREFILL_MAX_TOKENS:
             raise ValueError(f"tokens={tokens}: the probe times prompts of 1..{PREFILL_MAX_TOKENS} tokens")
         dev = self.device
@@ -224,8 +215,6 @@ class DecodeProbe:
 
 def estimate_layer_bytes(cfg: ModelConfig, dtype: torch.dtype, quantization: str | None, group: int) -> int:
     """Weight bytes of one decoder layer as the engine stores it."""
-    from strata.memory.planner import weight_bytes
-
     one = dataclasses.replace(cfg, num_layers=1, tie_word_embeddings=True)
     none = dataclasses.replace(cfg, num_layers=0, tie_word_embeddings=True)
     return max(1, weight_bytes(one, dtype, quantization, group) - weight_bytes(none, dtype, quantization, group))
@@ -233,8 +222,6 @@ def estimate_layer_bytes(cfg: ModelConfig, dtype: torch.dtype, quantization: str
 
 def probe_bytes(cfg: ModelConfig, dtype: torch.dtype, quantization: str | None, group: int) -> int:
     """Memory the probe holds: its layers, embedding and head (as the engine stores them)."""
-    from strata.memory.planner import weight_bytes
-
     layer = estimate_layer_bytes(cfg, dtype, quantization, group)
     built = dataclasses.replace(cfg, num_layers=layers_to_build(cfg, layer))
     return weight_bytes(built, dtype, quantization, group)

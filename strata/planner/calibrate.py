@@ -37,7 +37,14 @@ from pathlib import Path
 
 import torch
 
-from strata.config import cache_root
+from strata.config import EngineConfig, cache_root
+from strata.demo.random_models import random_state_dict
+from strata.engine.llm_engine import LLMEngine
+from strata.hardware.host_facts import cpu_caches
+from strata.hardware.probe import _cpu_info
+from strata.model_config import ModelConfig
+from strata.platform.multi_step import steps_for
+from strata.protocol.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -87,8 +94,6 @@ class StepOverhead:
         1 where it does not run several: no multi-step measurement, i.e. not CPU)."""
         if not self.per_step_multi_s:
             return 1
-        from strata.platform.multi_step import steps_for
-
         return steps_for(step_s)
 
     def to_json(self) -> dict:
@@ -126,8 +131,6 @@ def _checkpoint(layers: int) -> Path:
     """A random-weight checkpoint of SHAPE with `layers` layers, written once under the cache."""
     from safetensors.torch import save_file
 
-    from strata.demo.random_models import random_state_dict
-
     cfg = dict(SHAPE, num_hidden_layers=layers, torch_dtype="float32")
     out = cache_root() / f"calib-{layers}l"
     if (out / "model.safetensors").is_file():
@@ -147,8 +150,6 @@ def _checkpoint(layers: int) -> Path:
 
 def _eviction_buffer() -> torch.Tensor:
     """A buffer twice the last-level cache (64 MiB where sysfs does not say), capped at 512 MiB."""
-    from strata.hardware.host_facts import cpu_caches
-
     caches = cpu_caches()
     last = caches[max(caches)] if caches else None
     size = 2 * last["bytes"] * last["instances"] if last else 64 * 2**20
@@ -162,8 +163,6 @@ def _decode_step_seconds(engine, batch: int, evict: torch.Tensor | None = None) 
     work. Every other scheduler call runs after `evict` was read (cold), and so does each later
     step of a cold call (multi-step decode; those reads are not timed); without it both are all
     calls. A call of several steps counts as that many steps of its mean time."""
-    from strata.engine.sampling_params import SamplingParams
-
     params = SamplingParams(temperature=0.0, max_tokens=DECODE_STEPS, ignore_eos=True)
     for i in range(batch):
         ids = [3 + (7 * i + j) % (SHAPE["vocab_size"] - 3) for j in range(PROMPT_LEN)]
@@ -212,10 +211,6 @@ def measure_overhead(
 ) -> StepOverhead:
     """Measure the engine on the tiny models; `kernel_seconds(cfg, batch, context)` is the plan's
     own prediction of the bytes-and-FLOPs part, subtracted from each measured step."""
-    from strata.config import EngineConfig
-    from strata.engine.llm_engine import LLMEngine
-    from strata.model_config import ModelConfig
-
     dname = str(dtype).replace("torch.", "")
     multi = device == "cpu"  # where the engine runs several decode steps per call (platform/multi_step.py)
     measured: dict[str, float] = {}
@@ -258,8 +253,6 @@ def measure_overhead(
 
 
 def _cache_path(device: str, dtype: str, quantization: str | None) -> Path:
-    from strata.hardware.probe import _cpu_info
-
     ident = {
         "schema": SCHEMA, "device": device, "dtype": dtype, "quantization": quantization,
         "threads": torch.get_num_threads(), "torch": torch.__version__, "cpu": _cpu_info()[0],

@@ -21,7 +21,11 @@ from dataclasses import dataclass
 
 import torch
 
+from strata.graph.layers import RotaryEmbedding
+from strata.graph.models.llama import DecoderLayer
+from strata.kernels.attention import AttentionMetadata, PrefillSpan, _prefill
 from strata.model_config import ModelConfig
+from strata.planner.decode_probe import store_like_engine
 
 logger = logging.getLogger(__name__)
 
@@ -74,10 +78,6 @@ def _median_seconds(fn, device: torch.device) -> float:
 
 def _measure(cfg: ModelConfig, dtype: torch.dtype, tokens: int, device: str, quantization: str | None = None,
              group: int = 64) -> LayerTimes:
-    from strata.analyze.decode_probe import store_like_engine
-    from strata.graph.models.llama import DecoderLayer
-    from strata.kernels.attention import AttentionMetadata, PrefillSpan, _prefill
-
     dev = torch.device(device)
     torch.manual_seed(0)
     block = 16
@@ -135,8 +135,6 @@ def _measure(cfg: ModelConfig, dtype: torch.dtype, tokens: int, device: str, qua
 
 
 def _rotary(cfg: ModelConfig, tokens: int, dev: torch.device):
-    from strata.graph.layers import RotaryEmbedding
-
     return RotaryEmbedding(cfg.head_dim, max(tokens, 1), cfg.rope_theta, cfg.rope_scaling).to(dev)
 
 
