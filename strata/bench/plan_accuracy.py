@@ -46,8 +46,7 @@ from pathlib import Path
 from strata.bench.common import write_json
 from strata.config import engine_default
 from strata.errors import ConfigError
-from strata.hardware.measure import CPU_LINEAR_SHAPE, QUANT_LINEAR_SHAPE
-from strata.kernels import cpu_quant
+from strata.hardware.measure import CPU_LINEAR_SHAPE, quant_gemv_case
 from strata.kernels.linear import linear
 from strata.planner.cost_model import ModelShape, decode_step, prefill
 from strata.planner.decode_probe import decode_probe, forget
@@ -122,18 +121,7 @@ def _stream_now(dtype: str, quantization: str | None, seconds: float = 1.0) -> f
 
     with torch.inference_mode():
         if quantization in ("int8", "int4"):
-            n, k = QUANT_LINEAR_SHAPE
-            cols = k if quantization == "int8" else 2 * k
-            if quantization == "int8":
-                w, s = torch.randint(-127, 128, (n, cols), dtype=torch.int8).numpy(), torch.rand(n).numpy()
-            else:
-                w = torch.randint(0, 256, (n, cols // 2), dtype=torch.uint8).numpy()
-                s = torch.rand(n, cols // 64).numpy()
-            x = torch.randn(1, cols)
-            nbytes = w.nbytes + s.nbytes
-
-            def call():
-                return cpu_quant.gemv(quantization, x, w, s, 64)
+            call, nbytes = quant_gemv_case(quantization, 1)
         else:
             w = torch.randn(*CPU_LINEAR_SHAPE).to(torch.bfloat16 if quantization == "bf16" else getattr(torch, dtype))
             x = torch.randn(1, w.shape[1], dtype=w.dtype)

@@ -17,6 +17,7 @@ from typing import Any
 from strata.config import EngineConfig, engine_default
 from strata.demo.shapes import SHAPES
 from strata.errors import ConfigError
+from strata.graph.hub import check_model_dir, is_hub_id, split_revision
 
 
 @dataclass(frozen=True)
@@ -163,8 +164,6 @@ class EngineArgs:
 
     def hub_id(self) -> str | None:
         """The Hub id (ORG/NAME, no revision) when the model is one rather than a local path."""
-        from strata.graph.hub import is_hub_id, split_revision
-
         if self.model is None or self.random_model is not None or Path(self.model).expanduser().exists():
             return None
         return split_revision(self.model)[0] if is_hub_id(self.model) else None
@@ -175,13 +174,13 @@ class EngineArgs:
         if self.random_model is not None:
             if self.model is not None:
                 raise ConfigError("give --model PATH or --random-model SHAPE, not both")
-            from strata.demo.random_models import random_model_path
+            from strata.demo.random_models import (
+                random_model_path,  # reason: writes with torch; `strata serve`'s front end stays torch-free without --random-model
+            )
 
             return str(random_model_path(self.random_model))
         if self.model is None:
             return None
-        from strata.graph.hub import check_model_dir
-
         return str(check_model_dir(self.model, self.revision, self.download_dir))
 
     def config_kwargs(self, **overrides: Any) -> dict[str, Any]:

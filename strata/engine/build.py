@@ -78,7 +78,7 @@ class Checkpoint:
 
     path: Path
     model_config: ModelConfig
-    tokenizer: object | None  # engine.tokenizer.Tokenizer; None without tokenizer.json
+    tokenizer: Tokenizer | None  # None without tokenizer.json
     eos_token_ids: list[int]
     generation_defaults: dict  # sampling defaults from generation_config.json
 

@@ -30,15 +30,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from strata.protocol.sampling_params import StructuredOutput
-
-# JSON_OPTIONS and close_objects are re-exported for bench/structured.py (the command-registry rework's file)
-from strata.protocol.structured import (  # noqa: F401
-    JSON_OPTIONS,
-    close_objects,
-    grammar_text,
-    load_llguidance,
-    unusable,
-)
+from strata.protocol.structured import grammar_text, load_llguidance, unusable
 
 logger = logging.getLogger(__name__)
 

@@ -13,6 +13,7 @@ import logging
 import math
 
 from strata.engine.request import Request, Sequence
+from strata.protocol.output_text import OutputText
 
 logger = logging.getLogger(__name__)
 
@@ -32,8 +33,6 @@ class SequenceLifecycle:
     def new_sequence(self, req: Request, index: int) -> Sequence:
         seq = Sequence(next(self._seq_ids), req, index, list(req.prompt_token_ids))
         if self.tokenizer is not None:
-            from strata.protocol.output_text import OutputText
-
             seq.output_text = OutputText(self.tokenizer, req.prompt_token_ids, req.params)
         if req.params.structured is not None:  # the engine checked it compiles (LLMEngine.validate)
             seq.grammar = self.grammars.matcher(req.params.structured)

@@ -8,6 +8,7 @@ import torch
 
 from strata.config import EngineConfig
 from strata.engine.request import Sequence
+from strata.hardware.probe import probe
 from strata.memory.planner import MemoryPlan
 from strata.memory.swap import PreemptionCostModel
 from strata.model_config import ModelConfig
@@ -36,8 +37,6 @@ class SwapPolicy:
 
     def _build_cost_model(self) -> PreemptionCostModel:
         """link = host<->device copy rate, compute = measured GEMM rate."""
-        from strata.hardware.probe import probe
-
         hw = probe(self.device)
         gflops = hw.matmul_gflops.get(self.dtype_name) or hw.matmul_gflops.get("float32") or 1.0
         # on CPU both pools are host memory: a copy reads and writes, so about half the bandwidth;

@@ -15,6 +15,7 @@ import os
 import sys
 
 from strata.config import EngineConfig
+from strata.engine.build import build_engine
 from strata.engine.parallel import STOP, decode_step
 from strata.errors import StrataError
 from strata.hardware import processes
@@ -25,8 +26,6 @@ logger = logging.getLogger("strata.engine.tp_worker")
 
 def run_worker(config: EngineConfig) -> int:
     """Build this rank's engine parts and follow rank 0's steps; 0 when told to stop."""
-    from strata.engine.build import build_engine
-
     parts = build_engine(config, detokenize=False)
     ranks, control, runner = parts.ranks, parts.control, parts.runner
     parts = None

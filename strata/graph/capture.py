@@ -294,7 +294,9 @@ def build_decode_capture(
     if not (compile or cuda_graphs):
         return None
     if compile:  # FX tracing and the fused ops are imported only when compile is on
-        from strata.graph.capture_passes import compiled_step
+        from strata.graph.capture_passes import (
+            compiled_step,  # reason: FX and inductor passes, only with --compile
+        )
 
         step = compiled_step(model, "cuda" if str(device).startswith("cuda") else "cpu")
     return DecodeCapture(

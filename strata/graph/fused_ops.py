@@ -27,6 +27,8 @@ from torch import Tensor
 from strata.graph.layers import apply_rotary
 from strata.kernels import attention as attn
 from strata.kernels import ops
+from strata.kernels.linear import linear as dispatch
+from strata.kernels.linear import swiglu
 
 logger = logging.getLogger(__name__)
 
@@ -124,8 +126,6 @@ _KERNELS.define(
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """strata::linear: x @ weight.T (+ bias) through kernels/linear.py (numba GEMV, few fp32 CPU rows)."""
-    from strata.kernels.linear import linear as dispatch
-
     return dispatch(x, weight, bias)
 
 
@@ -142,8 +142,6 @@ def linear_swiglu(x: Tensor, gate_up_weight: Tensor) -> Tensor:
     """strata::linear_swiglu: silu(x @ gate.T) * (x @ up.T) for a [gate; up] weight (no bias): the
     numba GEMV with its SwiGLU epilogue for few CPU rows (fp32 or bf16 weights), else linear then
     silu_mul_ref."""
-    from strata.kernels.linear import linear as dispatch
-    from strata.kernels.linear import swiglu
 
     fused = swiglu(x, gate_up_weight)
     return fused if fused is not None else silu_mul_ref(dispatch(x, gate_up_weight, None))
@@ -213,7 +211,9 @@ def register_gpu_kernels() -> list[str]:
     on CUDA too. Returns the names registered.
     """
     try:
-        from strata.kernels import triton as tk  # optional GPU kernels
+        from strata.kernels import (
+            triton as tk,  # reason: optional GPU kernels (triton need not be installed)
+        )
     except ImportError as e:
         logger.debug("no strata.kernels.triton (%s); the fused ops run their torch references on CUDA", e)
         return []

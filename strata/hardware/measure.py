@@ -22,6 +22,8 @@ import torch.nn.functional as F
 
 from strata.config import DTYPES
 from strata.errors import ConfigError
+from strata.kernels import cpu_gemm, cpu_quant
+from strata.kernels.linear import linear
 
 logger = logging.getLogger(__name__)
 
@@ -119,8 +121,6 @@ def measure_linear(weight: torch.Tensor, batch: int, repeats: int = 5) -> float:
     Measured through Strata's own dispatch (kernels/linear.py), so the figures describe the
     kernels Strata will run (e.g. the numba GEMV for fp32 on CPU), not torch's alone.
     """
-    from strata.kernels.linear import linear
-
     if batch < 1 or repeats < 1:
         raise ConfigError(f"batch={batch}, repeats={repeats}: both must be >= 1")
     with torch.inference_mode():
@@ -229,8 +229,6 @@ def gemm_rates(dtypes: list[str]) -> dict[str, float]:
     """CPU GFLOP/s of a prefill-shaped F.linear (GEMM_ROWS rows) per dtype, via Strata's dispatch
     on an unmarked weight (torch's own GEMM), plus "float32_onednn": the same product by oneDNN's
     fp32 matmul (kernels/cpu_gemm.py), which the engine takes instead where it is faster."""
-    from strata.kernels import cpu_gemm
-
     n, k = GEMM_SHAPE
     out: dict[str, float] = {}
     flops = 2 * GEMM_ROWS * n * k
@@ -314,33 +312,39 @@ def int8_gemm_gflops(dev: torch.device) -> float | None:
         return None
 
 
+def quant_gemv_case(method: str, rows: int, group: int = 64) -> tuple[Callable[[], object], int]:
+    """One call of Strata's CPU int8/int4 GEMV kernel on random weights of QUANT_LINEAR_SHAPE (int4
+    with twice the input columns) over `rows` input rows, and the weight bytes it reads (scales
+    included): what quant_rates times, and plan-accuracy re-times."""
+    n, k = QUANT_LINEAR_SHAPE
+    if method == "int8":
+        cols = k
+        w = torch.randint(-127, 128, (n, cols), dtype=torch.int8)
+        s = torch.rand(n)
+    else:
+        cols = 2 * k
+        w = torch.randint(0, 256, (n, cols // 2), dtype=torch.uint8)
+        s = torch.rand(n, cols // group)
+    wn, sn = w.numpy(), s.numpy()
+    x = torch.randn(rows, cols)
+    return (lambda: cpu_quant.gemv(method, x, wn, sn, group)), wn.nbytes + sn.nbytes
+
+
 def quant_rates() -> tuple[dict[str, float], dict[str, float]]:
     """Strata's CPU int8/int4 GEMV kernels: batch-1 weight GB/s (scales included) and batch-16
     GFLOP/s, on random weights of QUANT_LINEAR_SHAPE (int4 with twice the input columns)."""
-    from strata.kernels import cpu_quant
-
     if not cpu_quant.available():
         return {}, {}
     n, k = QUANT_LINEAR_SHAPE
-    group = 64
     gbs: dict[str, float] = {}
     gflops: dict[str, float] = {}
     cpu = torch.device("cpu")
     with torch.inference_mode():
         for method in ("int8", "int4"):
-            if method == "int8":
-                cols = k
-                w = torch.randint(-127, 128, (n, cols), dtype=torch.int8)
-                s = torch.rand(n)
-            else:
-                cols = 2 * k
-                w = torch.randint(0, 256, (n, cols // 2), dtype=torch.uint8)
-                s = torch.rand(n, cols // group)
-            wn, sn = w.numpy(), s.numpy()
-            nbytes = wn.nbytes + sn.nbytes
+            cols = k if method == "int8" else 2 * k
             for rows in (1, MATMUL_BATCH):
-                x = torch.randn(rows, cols)
-                sec = _best_seconds(lambda x=x, m=method, w=wn, s=sn: cpu_quant.gemv(m, x, w, s, group), cpu, 3)
+                call, nbytes = quant_gemv_case(method, rows)
+                sec = _best_seconds(call, cpu, 3)
                 if rows == 1:
                     gbs[method] = nbytes / sec / 1e9
                 else:

@@ -10,6 +10,7 @@ import torch
 
 from strata.errors import ConfigError
 from strata.hardware.cores import core_groups, default_threads, usable_cpus
+from strata.kernels import cpu_gemv
 
 logger = logging.getLogger(__name__)
 
@@ -39,8 +40,6 @@ def _launch_numba_pool(n: int) -> None:
     except ImportError:
         return
     numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
-    from strata.kernels import cpu_gemv
-
     cpu_gemv.forget_numba_threads()  # its per-thread memo of numba's count is stale now
 
 

@@ -16,6 +16,7 @@ import torch
 from strata.hardware.gpu_facts import gpu_devices
 from strata.hardware.host_facts import host_info
 from strata.hardware.probe import HardwareProfile, probe
+from strata.text_table import fmt_bytes
 
 NVLINK_GBS_PER_LINK = {1: 40.0, 2: 50.0, 3: 50.0, 4: 50.0}  # both directions, GB/s per link
 
@@ -37,8 +38,6 @@ def build_report(refresh: bool = False, measure: bool = True) -> dict[str, Any]:
 
 
 def _b(n: float) -> str:
-    from strata.text_table import fmt_bytes
-
     return fmt_bytes(n)
 
 

@@ -37,7 +37,9 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch.autograd.profiler import record_function
 
+from strata.kernels import cpu_attention, cpu_decode_layer, cpu_gemv, cpu_norm, cpu_quant, cpu_rope
 from strata.kernels.dispatch import named_kernels
+from strata.text_table import print_table
 
 __all__ = ["HotspotRow", "ProfileReport", "analyze", "named_kernels", "profile_decode", "quiet_profile"]
 
@@ -48,15 +50,6 @@ _GROUPING = ("Torch-Compiled Region", "CompiledFunction", "## ", "ProfilerStep",
 def _kernel_entry_points() -> list[tuple[object, str, str]]:
     """(module, function, range name) of every numba kernel entry point: each is decorated with
     kernels/dispatch.kernel, which names its calls while `named_kernels()` is on."""
-    from strata.kernels import (
-        cpu_attention,
-        cpu_decode_layer,
-        cpu_gemv,
-        cpu_norm,
-        cpu_quant,
-        cpu_rope,
-    )
-
     return [
         (cpu_gemv, "gemv", "numba::gemv"),
         (cpu_gemv, "gemv_swiglu", "numba::gemv_swiglu"),
@@ -96,8 +89,6 @@ class ProfileReport:
 
     def format(self) -> str:
         from io import StringIO
-
-        from strata.text_table import print_table
 
         buf = StringIO()
         calls = "" if self.calls in (None, self.steps) else f" in {self.calls} scheduler calls"

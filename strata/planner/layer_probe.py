@@ -23,7 +23,7 @@ import torch
 
 from strata.graph.layers import RotaryEmbedding
 from strata.graph.models.llama import DecoderLayer
-from strata.kernels.attention import AttentionMetadata, PrefillSpan, _prefill
+from strata.kernels.attention import AttentionMetadata, PrefillSpan, resolve_backend
 from strata.model_config import ModelConfig
 from strata.planner.decode_probe import store_like_engine
 
@@ -125,7 +125,8 @@ def _measure(cfg: ModelConfig, dtype: torch.dtype, tokens: int, device: str, qua
             whole()  # warm-up: first-call costs (allocator, kernel selection, numba)
         whole_s = _median_seconds(whole, dev)
         gemm_s = _median_seconds(projections, dev)
-        attn_s = _median_seconds(lambda: _prefill(q, kv, kv, caches[0], span, scale, "sdpa"), dev)
+        sdpa = resolve_backend("sdpa")
+        attn_s = _median_seconds(lambda: sdpa.prefill(q, kv, kv, caches[0], span, scale), dev)
     elementwise = max(0.0, whole_s - gemm_s - attn_s)
     times = LayerTimes(tokens, gemm_s, attn_s, elementwise)
     logger.info("layer probe %s %s at %d tokens: gemm %.2f ms, attention %.2f ms, elementwise %.2f ms",

@@ -172,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     push = ctx.socket(zmq.PUSH)
     push.connect(args.outbox)
     try:
+        # reason (both): inside the try, so a failed import is reported to the front end as a failed start
         from strata.config import EngineConfig
         from strata.engine.llm_engine import LLMEngine
 

@@ -25,11 +25,16 @@ import uvicorn
 
 from strata import cli_options
 from strata.config import EngineConfig
+from strata.demo.model import demo_model_path
 from strata.engine.args import EngineArgs
 from strata.errors import StrataError
+from strata.hardware.cores import server_layout
+from strata.protocol.tokenizer import Tokenizer
 from strata.server import faults, procs, routes_ops
 from strata.server.app import ServerOptions, ServerState, build_app
+from strata.server.engine_client import EngineClient
 from strata.server.metrics import Metrics
+from strata.server.tokenizer_pool import InLoopTokenizer, TokenizerPool
 from strata.settings import SETTINGS
 from strata.text_table import fmt_bytes
 
@@ -107,8 +112,6 @@ class _BindError(logging.Filter):
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from strata.hardware.cores import server_layout
-
     engine_args = EngineArgs.from_cli_args(args)
     model = engine_args.model_path()
     kwargs = {"model": model, **engine_args.config_kwargs()}
@@ -123,8 +126,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     layout = server_layout(args.tokenizer_workers, args.num_threads)
     kwargs["num_threads"] = layout.compute_threads
     if model is None:
-        from strata.demo.model import demo_model_path
-
         model_path = str(demo_model_path())
     else:
         model_path = str(model)
@@ -177,9 +178,6 @@ async def _first(**aws) -> str:
 
 
 async def _serve(args, kwargs: dict, model_path: str, opts: ServerOptions, layout, sock, ipc: procs.IpcDir) -> int:
-    from strata.protocol.tokenizer import Tokenizer
-    from strata.server.engine_client import EngineClient
-    from strata.server.tokenizer_pool import InLoopTokenizer, TokenizerPool
 
     loop = asyncio.get_running_loop()
     stop, force, signals = asyncio.Event(), asyncio.Event(), []
@@ -305,7 +303,7 @@ def gpu_device_checks(kwargs: dict, metrics: Metrics) -> list:
 
     if not torch.cuda.is_available():
         return []
-    from strata.hardware import startup_checks
+    from strata.hardware import startup_checks  # reason: imports torch; CUDA servers only
 
     try:
         facts = startup_checks.gather_facts()
@@ -321,7 +319,7 @@ def gpu_device_checks(kwargs: dict, metrics: Metrics) -> list:
 def gpu_tf32_checks(facts: list, info: dict, metrics: Metrics) -> None:
     """Once the engine reported the dtype it runs: does an fp32 model use TF32."""
     if facts:
-        from strata.hardware import startup_checks
+        from strata.hardware import startup_checks  # reason: imports torch; CUDA servers only
 
         checks = startup_checks.tf32_checks(facts, str(info.get("dtype", "")))
         startup_checks.report(checks)

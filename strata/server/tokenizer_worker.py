@@ -19,6 +19,7 @@ import zmq
 
 from strata.errors import StrataError
 from strata.logs import setup_logging
+from strata.protocol.tokenizer import Tokenizer
 from strata.protocol.wire import decode, encode
 from strata.server import faults, procs
 
@@ -50,8 +51,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.cpus:
         os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one core per worker
-    from strata.protocol.tokenizer import Tokenizer
-
     tokenizer = Tokenizer.from_dir(args.model, chat_template=args.chat_template)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)

@@ -24,7 +24,6 @@ from strata.kernels.attention.common import (
 )
 from strata.kernels.attention.metadata import AttentionMetadata
 from strata.kernels.attention.paged import (
-    _prefill,
     attend_cached,
     decode_attention,
     fused_decode_attention,
@@ -39,5 +38,5 @@ __all__ = [
     "get_backend", "resolve_backend", "select_backend",
     "write_kv", "gather_kv", "reference_attend", "sdpa_attend",
     "attend_cached", "decode_attention", "paged_attention", "fused_decode_usable", "fused_decode_attention",
-    "triton_usable", "_prefill",
+    "triton_usable",
 ]

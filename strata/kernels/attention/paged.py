@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from strata.kernels.attention.base import AttentionBackend
-from strata.kernels.attention.common import PrefillSpan, write_kv
+from strata.kernels.attention.common import write_kv
 from strata.kernels.attention.metadata import AttentionMetadata
 from strata.kernels.attention.registry import resolve_backend
 from strata.kernels.dispatch import KERNEL_MODE
@@ -75,10 +74,6 @@ def fused_decode_attention(
         qkv, rope, kv_cache, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens,
         heads, kv_heads, scale, window,
     )
-
-
-def _prefill(q, k, v, kv_cache, span: PrefillSpan, scale: float, backend: AttentionBackend | str) -> torch.Tensor:
-    return resolve_backend(backend).prefill(q, k, v, kv_cache, span, scale)
 
 
 def triton_usable(device: str) -> bool:

@@ -17,13 +17,17 @@ class TritonBackend(AttentionBackend):
         reason = "needs a CUDA device and triton (pip install 'strata[triton]')"
         if not str(device).startswith("cuda"):
             return reason
-        from strata.kernels.triton import available
+        from strata.kernels.triton import (
+            available,  # reason: triton is optional; imported only for a CUDA device
+        )
 
         return None if available() else reason
 
     def decode(self, q, kv_cache, block_tables, context_lens, mask, scale, window=None) -> torch.Tensor:
         if window is not None:  # the split-K kernel has no window: the gathered path masks it
             return self.windowed_decode(q, kv_cache, block_tables, context_lens, scale, window)
-        from strata.kernels.triton.paged_attention import paged_decode_attention  # lazy: see above
+        from strata.kernels.triton.paged_attention import (
+            paged_decode_attention,  # reason: triton is optional
+        )
 
         return paged_decode_attention(q, kv_cache, block_tables, context_lens, scale)
