@@ -1,7 +1,15 @@
 """The named shapes of the random-weight checkpoints (--random-model), as config.json fields. No
-torch here: the CLI's flags list them (demo/random_models.py writes the checkpoints)."""
+torch here: the CLI's flags list them (demo/random_models.py writes the checkpoints).
+
+The shapes with "torch_dtype": "bfloat16" are the sizes people run (1-8B, their real configs and
+vocabularies): they are written tensor by tensor as bf16 shards (~2-16 GB on disk). The others
+are written as one fp32 model.safetensors, as they always were."""
 
 from __future__ import annotations
+
+# Llama 3.1 / 3.2's rope scaling (rope_type "llama3"; 3.1 has factor 8, 3.2 factor 32)
+_LLAMA3_ROPE_32 = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                   "original_max_position_embeddings": 8192}
 
 SHAPES: dict[str, dict] = {
     "smol-135m": {
@@ -25,4 +33,42 @@ SHAPES: dict[str, dict] = {
         "tie_word_embeddings": True, "rope_theta": 10000.0, "rms_norm_eps": 1e-5,
         "max_position_embeddings": 2048, "bos_token_id": 1, "eos_token_id": 2,
     },
+    # Values from the Hub configs (meta-llama/Llama-3.2-1B, -3.2-3B, -3.1-8B; Qwen/Qwen2.5-7B). The
+    # Llama 3.x eos is the base models' (the Instruct configs list 128001, 128008, 128009).
+    "llama-3.2-1b": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "torch_dtype": "bfloat16",
+        "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 128256,
+        "tie_word_embeddings": True, "rope_theta": 500000.0, "rope_scaling": dict(_LLAMA3_ROPE_32),
+        "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
+        "bos_token_id": 128000, "eos_token_id": 128001,
+    },
+    "llama-3.2-3b": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "torch_dtype": "bfloat16",
+        "hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 28,
+        "num_attention_heads": 24, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256,
+        "tie_word_embeddings": True, "rope_theta": 500000.0, "rope_scaling": dict(_LLAMA3_ROPE_32),
+        "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
+        "bos_token_id": 128000, "eos_token_id": 128001,
+    },
+    "qwen2.5-7b": {  # q/k/v biases: random_models gives every Qwen2ForCausalLM shape them
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "torch_dtype": "bfloat16",
+        "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+        "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064,
+        "tie_word_embeddings": False, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 131072, "sliding_window": 131072, "use_sliding_window": False,
+        "max_window_layers": 28, "bos_token_id": 151643, "eos_token_id": 151643,
+    },
+    "llama-3.1-8b": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "torch_dtype": "bfloat16",
+        "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+        "tie_word_embeddings": False, "rope_theta": 500000.0,
+        "rope_scaling": dict(_LLAMA3_ROPE_32, factor=8.0),
+        "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
+        "bos_token_id": 128000, "eos_token_id": 128001,
+    },
 }
+
+# the shapes written as bf16 shards (the rest: one fp32 model.safetensors)
+BF16_SHAPES = frozenset(name for name, cfg in SHAPES.items() if cfg.get("torch_dtype") == "bfloat16")
