@@ -141,8 +141,11 @@ def render_markdown(res: dict) -> str:
       "`--compare hf`: one prefill forward, then a greedy loop over a DynamicCache). "
       "\"Strata ÷ this\" > 1 means Strata is faster."
       + (f" Every row was measured in {rounds} rounds (round-robin over the precisions, so a row's rounds are "
-         "minutes apart); each figure is the median of its rounds, the ratio is the median of the rounds' "
-         "own ratios (each round brackets Strata's run) and the range in brackets is theirs."
+         "minutes apart); each figure is the median of its rounds, the ratio is the median of every round's "
+         "own ratio (each round brackets Strata's run), every round's ratio follows it, and where some "
+         "rounds' llama.cpp runs before and after Strata's disagreed by more than 10% the steady rounds' "
+         "median is shown beside them. A row counts as won only if its median is >= 1.0x and its worst "
+         "round >= 0.95x."
          if rounds > 1 else "")
       + "\n")
     w("Comparable precision, row by row: Strata's bf16 stores the weights in bf16 (rounded from the fp32 "

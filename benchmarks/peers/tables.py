@@ -65,17 +65,23 @@ def _paired_rounds(base: dict | None, peer: dict, key: str) -> list[tuple[float,
     return [(r, p.get(steady_key)) for b, p in pairs if (r := ratio(b.get(key), p.get(key))) is not None]
 
 
+WIN_WORST_ROUND = 0.95  # a row is won only if its worst round is at least this (and its median >= 1)
+
+
 def round_ratios(base: dict | None, peer: dict, key: str) -> list[float]:
-    """The rounds' ratios, only the steady rounds' where any round was steady: a round whose
-    peer runs before and after Strata's disagree straddled a bandwidth switch, and its ratio says
-    which level each engine landed on more than which engine is faster."""
-    each = _paired_rounds(base, peer, key)
-    kept = [r for r, ok in each if ok]
-    return kept or [r for r, _ in each]
+    """Every round's Strata ÷ peer ratio, in round order."""
+    return [r for r, _ in _paired_rounds(base, peer, key)]
+
+
+def steady_round_ratios(base: dict | None, peer: dict, key: str) -> list[float]:
+    """The ratios of the rounds whose peer runs before and after Strata's agreed (a round that
+    straddled a bandwidth switch says which level each engine landed on more than which engine is
+    faster): the steady view, shown beside every round's, never instead of it."""
+    return [r for r, ok in _paired_rounds(base, peer, key) if ok]
 
 
 def latency_ratio(base: dict | None, peer: dict, key: str) -> float | None:
-    """Strata ÷ peer of a latency figure: the median of the rounds' own ratios (each round
+    """Strata ÷ peer of a latency figure: the median of every round's own ratio (each round
     brackets Strata's run with the peer's), or with one round the figures' ratio."""
     each = round_ratios(base, peer, key)
     if each:
@@ -83,14 +89,23 @@ def latency_ratio(base: dict | None, peer: dict, key: str) -> float | None:
     return ratio(base.get(key), peer.get(key)) if base else None
 
 
+def row_won(base: dict | None, peer: dict, key: str) -> bool | None:
+    """Whether Strata wins the row: median ratio >= 1 and no round below WIN_WORST_ROUND."""
+    r = latency_ratio(base, peer, key)
+    if r is None:
+        return None
+    return r >= 1 and min(round_ratios(base, peer, key) or [r]) >= WIN_WORST_ROUND
+
+
 def _ratio_cell(base: dict | None, peer: dict, key: str) -> str:
-    """latency_ratio, and with several rounds the range the rounds gave."""
-    each, paired = round_ratios(base, peer, key), _paired_rounds(base, peer, key)
+    """latency_ratio, and with several rounds every round's ratio and, where some rounds were not
+    steady, the steady rounds' median beside them."""
+    each, steady = round_ratios(base, peer, key), steady_round_ratios(base, peer, key)
     text = fmt_ratio(latency_ratio(base, peer, key))
     if len(each) > 1:
-        text += f" ({min(each):.2f}-{max(each):.2f})"
-    if 0 < len(each) < len(paired):
-        text += f" [{len(each)}/{len(paired)} steady]"
+        text += f" (rounds {', '.join(f'{r:.2f}' for r in each)})"
+    if 0 < len(steady) < len(each):
+        text += f" [steady {statistics.median(steady):.2f}x, {len(steady)}/{len(each)}]"
     return text
 
 
@@ -182,10 +197,10 @@ def findings(res: dict) -> list[str]:
     """Plain sentences: every comparison, Strata's losses first (rates: < 1x; latencies: > 1x)."""
     losses, wins = [], []
 
-    def add(text: str, r: float | None, higher_better: bool = True) -> None:
+    def add(text: str, r: float | None, higher_better: bool = True, won: bool | None = None) -> None:
         if r is None:
             return
-        bad = r < 1 if higher_better else r > 1
+        bad = (r < 1 if higher_better else r > 1) if won is None else not won
         (losses if bad else wins).append(f"{text}: Strata ÷ peer = {r:.2f}x")
 
     for shape, sr in (res.get("latency") or {}).items():
@@ -193,7 +208,7 @@ def findings(res: dict) -> list[str]:
             if vs and sr.get(key) and sr.get(vs):
                 for k, what in (("prefill_tps", "prefill tok/s"), ("decode_tps", "decode tok/s")):
                     add(f"{shape} batch-1 {what}, {engine} {weights.split(' (')[0]}",
-                        latency_ratio(sr[vs], sr[key], k))
+                        latency_ratio(sr[vs], sr[key], k), won=row_won(sr[vs], sr[key], k))
     for shape, tp in (res.get("throughput") or {}).items():
         for key, engine, _how, vs, r in throughput_rows(tp):
             if vs and tp.get(vs):

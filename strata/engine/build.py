@@ -414,6 +414,7 @@ def _build(config: EngineConfig, ckpt: Checkpoint, detokenize: bool, threads: in
                                 draft_proposer(config, cfg, dtype, max_len, backend, platform))
     policy = platform.policy(config, cfg, threads, tensor_parallel=ranks is not None,
                              speculative=speculator is not None, workload=workload)
+    logger.info("%s platform, %s workload: step policy %s", platform.name, workload, policy.describe())
     scheduler = Scheduler(blocks, config.max_num_seqs, config.max_num_batched_tokens, prefer_swap, lifecycle,
                           policy, speculator)
     sampler = Sampler(cfg.vocab_size, ckpt.eos_token_ids, config.seed)

@@ -233,7 +233,7 @@ def test_llama_latency_figure_is_the_mean_of_the_runs_bracketing_strata():
     assert sorted(paired) == sorted(settings.GGUF_TYPES)
 
 
-def test_latency_rounds_take_the_median_and_show_the_range():
+def test_latency_rounds_take_the_median_and_show_every_round():
     parts, tables = _peers("parts"), _peers("tables")
     rounds = [
         {"strata_fp32": {"prefill_tps": 500.0, "decode_tps": 50.0, "others_cpu": 1.0},
@@ -248,19 +248,19 @@ def test_latency_rounds_take_the_median_and_show_the_range():
     assert (ll["prefill_tps"], ll["decode_tps"], ll["others_cpu"]) == (450.0, 47.5, 0.0)
     assert len(s["round_figures"]) == 3 and len(ll["round_figures"]) == 2
     # rounds pair in order; the ratio is the median of the paired rounds' ratios (not the ratio of
-    # the medians, which round 3's unpaired Strata figure would move: 50 / 47.5), with their range
+    # the medians, which round 3's unpaired Strata figure would move: 50 / 47.5), with every round's
     assert tables.round_ratios(s, ll, "decode_tps") == [50.0 / 55.0, 1.0]
     assert tables.latency_ratio(s, ll, "decode_tps") == (50.0 / 55.0 + 1.0) / 2
     table = tables.latency_table(merged)
-    assert f"{(500 / 400 + 600 / 500) / 2:.2f}x ({600 / 500:.2f}-{500 / 400:.2f})" in table
-    assert f"{(50 / 55 + 1) / 2:.2f}x ({50 / 55:.2f}-1.00)" in table
+    assert f"{(500 / 400 + 600 / 500) / 2:.2f}x (rounds {500 / 400:.2f}, {600 / 500:.2f})" in table
+    assert f"{(50 / 55 + 1) / 2:.2f}x (rounds {50 / 55:.2f}, 1.00)" in table
     # one round: the figures as measured, no round figures, no range
     single = parts.median_rounds(rounds[:1])
     assert single["llama_f32"]["decode_tps"] == 55.0 and "round_figures" not in single["llama_f32"]
     assert "(" not in tables.latency_table(single).splitlines()[-1].split("|")[6]
 
 
-def test_latency_ratio_counts_only_rounds_whose_peer_bracket_held_steady():
+def test_latency_ratio_counts_every_round_and_shows_the_steady_view_beside_it():
     parts, tables = _peers("parts"), _peers("tables")
     assert parts.steady([100.0, 109.0]) is True and parts.steady([99.5, 114.0]) is False
     assert parts.steady([100.0]) is None and parts.steady(None) is None
@@ -272,12 +272,30 @@ def test_latency_ratio_counts_only_rounds_whose_peer_bracket_held_steady():
     merged = parts.median_rounds(rounds)
     s, ll = merged["strata_fp32"], merged["llama_f32"]
     assert [f.get("decode_steady") for f in ll["round_figures"]] == [True, False, True]
-    assert tables.round_ratios(s, ll, "decode_tps") == [1.1, 1.2]
-    assert tables.latency_ratio(s, ll, "decode_tps") == 1.15
-    assert "1.15x (1.10-1.20) [2/3 steady]" in tables.latency_table(merged)
+    assert tables.round_ratios(s, ll, "decode_tps") == [1.1, 86.0 / 106.75, 1.2]
+    assert tables.steady_round_ratios(s, ll, "decode_tps") == [1.1, 1.2]
+    assert tables.latency_ratio(s, ll, "decode_tps") == 1.1
+    assert f"1.10x (rounds 1.10, {86.0 / 106.75:.2f}, 1.20) [steady 1.15x, 2/3]" in tables.latency_table(merged)
+    # a median >= 1 with a round below 0.95x is not a win
+    assert tables.row_won(s, ll, "decode_tps") is False
+    assert any(f.startswith("Strata behind: ") and "decode tok/s" in f
+               for f in tables.findings({"latency": {"smol-135m": merged}}))
     # no steady round at all: every round counts, nothing is marked
     for r in rounds:
         r["llama_f32"]["decode_tps_runs"] = [90.0, 110.0]
     merged = parts.median_rounds(rounds)
     assert tables.round_ratios(merged["strata_fp32"], merged["llama_f32"], "decode_tps") == [1.1, 86.0 / 106.75, 1.2]
     assert "steady" not in tables.latency_table(merged)
+
+
+def test_a_row_is_won_only_with_its_median_at_1x_and_no_round_below_095x():
+    tables = _peers("tables")
+
+    def row(*ratios):  # Strata's figure over a peer at 100 in each round
+        return ({"round_figures": [{"decode_tps": 100.0 * r} for r in ratios]},
+                {"round_figures": [{"decode_tps": 100.0, "decode_steady": True} for _ in ratios]})
+
+    assert tables.row_won(*row(1.02, 0.96, 1.10), "decode_tps") is True
+    assert tables.row_won(*row(1.02, 0.94, 1.10), "decode_tps") is False  # one round under 0.95x
+    assert tables.row_won(*row(0.99, 0.98, 1.10), "decode_tps") is False  # median under 1.0x
+    assert tables.row_won({"decode_tps": 110.0}, {"decode_tps": 100.0}, "decode_tps") is True  # one round
