@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed-stamp
 TRITON_STAMP := $(VENV)/.triton-stamp
 PROMPT  ?= To be, or not to be
 
-.PHONY: demo test lint install clean
+.PHONY: demo test lint install clean browser
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -33,7 +33,17 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check strata tests
 	$(VENV)/bin/lint-imports
 
-test: $(STAMP) $(TRITON_STAMP) lint
+# headless Chromium for the reports' layout test (tests/analyze/test_report_rendering.py, which skips
+# without it): Debian's package, where we are root with apt-get and STRATA_NO_APT is not 1; never fatal
+browser:
+	@command -v chromium >/dev/null || command -v chromium-browser >/dev/null || command -v google-chrome >/dev/null \
+	  || [ "$$STRATA_NO_APT" = 1 ] || [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null \
+	  || DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null 2>&1 \
+	  || (DEBIAN_FRONTEND=noninteractive apt-get update -q >/dev/null 2>&1 \
+	      && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null 2>&1) \
+	  || echo "browser: chromium not installable here; the report layout test will skip"
+
+test: $(STAMP) $(TRITON_STAMP) lint browser
 	$(PY) -m pytest
 
 clean:
