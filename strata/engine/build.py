@@ -375,10 +375,7 @@ def build_engine(config: EngineConfig, detokenize: bool = True, profile: Hardwar
 def _build(config: EngineConfig, ckpt: Checkpoint, detokenize: bool, threads: int, platform: Platform,
            workload: str, ranks, comm, control) -> EngineParts:
     cfg = ckpt.model_config
-    if config.device == "cpu":
-        config = platform.resolve_weight_storage(config, cfg.torch_dtype)
-    elif config.quantization == "bf16":  # bf16 storage asked for on another device: the same check
-        config = resolve_weight_storage(config, cfg.torch_dtype, platform.profile)
+    config = resolve_weight_storage(config, cfg.torch_dtype, platform.profile)
     dtype = resolve_dtype(config.dtype, config.device, cfg.torch_dtype, platform.profile)
     max_len = resolve_max_model_len(cfg, config.max_model_len)
     model = quantize(load(ckpt, dtype, config.device, max_len), config)

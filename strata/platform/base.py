@@ -1,9 +1,9 @@
 """What a platform supplies the engine's build: the decode step, the kernel policy and the tuners.
 
 build_engine picks one platform per engine from the device and the hardware profile it was given
-(probed once, before the build) and asks it, in the build's order:
+(probed once, before the build; bf16 weight storage is decided before, by
+platform/cpu.resolve_weight_storage from the same profile) and asks it, in the build's order:
 
-    resolve_weight_storage(config, checkpoint dtype)  bf16 storage (CPU: by measurement)
     prepare_model(model)                               kernel marks on the weights (CPU: prefill GEMMs)
     prefill_cap(config, model config)                  the decode-first cap at start-up
     decode_step(model, kv caches, ...)                 graph/decode_step.py's step, or None
@@ -30,9 +30,6 @@ class Platform:
 
     def __init__(self, profile: HardwareProfile | None = None) -> None:
         self.profile = profile
-
-    def resolve_weight_storage(self, config: EngineConfig, checkpoint_dtype) -> EngineConfig:
-        return config
 
     def prepare_model(self, model, config: EngineConfig) -> None:
         """After quantisation and sharding (which replace the weight tensors)."""

@@ -36,13 +36,6 @@ DECODE_FIRST_STEP_S = 0.10
 class CpuPlatform(Platform):
     name = "cpu"
 
-    def resolve_weight_storage(self, config: EngineConfig, checkpoint_dtype: torch.dtype) -> EngineConfig:
-        """bf16 weight storage with fp32 compute (memory/bf16_weights.py): asked for with
-        quantization="bf16", or chosen by dtype="auto" for a bf16 checkpoint when the profile
-        measured it faster (cpu_policy.bf16_storage). Returns the config with dtype and
-        quantization filled in."""
-        return resolve_weight_storage(config, checkpoint_dtype, self.profile)
-
     def prepare_model(self, model, config: EngineConfig) -> None:
         """The prefill GEMM path of every projection, by this machine's measurement
         (kernels/cpu_gemm.py, cpu_policy.prefill_gemms)."""
@@ -92,7 +85,10 @@ class CpuPlatform(Platform):
 
 
 def resolve_weight_storage(config: EngineConfig, checkpoint_dtype: torch.dtype, profile) -> EngineConfig:
-    """CpuPlatform.resolve_weight_storage; also asked by a GPU engine with quantization="bf16"."""
+    """bf16 weight storage with fp32 compute (memory/bf16_weights.py): asked for with
+    quantization="bf16" (on any device), or chosen by dtype="auto" on a CPU for a bf16 checkpoint
+    when the profile measured it faster (cpu_policy.bf16_storage). Returns the config with dtype and
+    quantization filled in."""
     auto = (config.dtype == "auto" and config.quantization is None and config.device == "cpu"
             and config.tensor_parallel_size == 1 and not config.compile)
     if not auto and config.quantization != "bf16":

@@ -14,7 +14,7 @@ write here and nowhere else.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 from strata.kernels import cpu_gemv
 
@@ -31,17 +31,9 @@ class StepPolicy:
         for tune in self.tuners:
             tune(engine)
 
-    @contextlib.contextmanager
-    def step(self) -> Iterator[None]:
-        """One engine step: its kernels run under kernel_threads (this context only)."""
-        if self.kernel_threads is None:
-            yield
-            return
-        token = cpu_gemv.THREAD_CAP.set(self.kernel_threads)
-        try:
-            yield
-        finally:
-            cpu_gemv.THREAD_CAP.reset(token)
+    def step(self) -> contextlib.AbstractContextManager:
+        """One engine step: its kernels run under kernel_threads (this context only; None: as they are)."""
+        return contextlib.nullcontext() if self.kernel_threads is None else cpu_gemv.thread_cap(self.kernel_threads)
 
     def tuner(self, kind: type):
         """The tuner of class `kind`, or None."""
