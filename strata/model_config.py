@@ -85,15 +85,29 @@ SCHEMA: dict[str, Field] = {
 
 # rope_parameters (transformers >= 5) or rope_scaling: the fields of each rope type Strata
 # implements (graph/layers.py: RotaryEmbedding, _llama3_inv_freq)
-ROPE_TYPE = Field(str, default="default", choices=("default", "linear", "llama3", "longrope", "su"))
+ROPE_TYPE = Field(str, default="default",
+                  choices=("default", "linear", "dynamic", "llama3", "yarn", "longrope", "su"))
 ROPE_SCHEMAS: dict[str, dict[str, Field]] = {
     "default": {},
     "linear": {"factor": Field(float, 1)},
+    # dynamic NTK: the pre-training length is max_position_embeddings, as in transformers and vLLM
+    "dynamic": {"factor": Field(float, 1)},
     "llama3": {
         "factor": Field(float, 1),
         "low_freq_factor": Field(float, 0, default=1.0, lo_open=True),
         "high_freq_factor": Field(float, "low_freq_factor", default=4.0, lo_open=True),
         "original_max_position_embeddings": Field(int, 1, _SIZE),
+    },
+    # Qwen2.5 long context, DeepSeek; null fields are completed by _yarn (transformers' defaults)
+    "yarn": {
+        "factor": Field(float, 1, default=None),  # None: max_position_embeddings / original
+        "original_max_position_embeddings": Field(int, 1, _SIZE, default=None),
+        "beta_slow": Field(float, 0, default=1.0, lo_open=True),
+        "beta_fast": Field(float, "beta_slow", default=32.0),
+        "mscale": Field(float, 0, default=None),
+        "mscale_all_dim": Field(float, 0, default=None),
+        "attention_factor": Field(float, 0, default=None, lo_open=True),
+        "truncate": Field(bool, default=True),
     },
     # Phi-3 / Phi-4-mini ("su" is its old name); short_factor / long_factor are checked in _longrope
     "longrope": {
@@ -280,6 +294,35 @@ def _longrope(rope: dict[str, Any], d: dict[str, Any], max_positions: int, rotar
         rope["attention_factor"] = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(orig))
 
 
+def _yarn(rope: dict[str, Any], d: dict[str, Any], max_positions: int, source: str) -> None:
+    """Complete a yarn scaling dict in place as transformers does (standardize_rope_params and
+    _compute_yarn_parameters): original_max_position_embeddings from the config's top level first,
+    then rope_scaling, then max_position_embeddings; factor, when null, the ratio of the two
+    lengths; attention_factor, when null, from factor and DeepSeek's mscale / mscale_all_dim."""
+    top = d.get("original_max_position_embeddings")
+    if top is not None:
+        top = _Reader(d, source, FAMILY_SCHEMA).get("original_max_position_embeddings")
+    orig = top or rope["original_max_position_embeddings"] or max_positions
+    rope["original_max_position_embeddings"] = orig
+    if rope["factor"] is None:
+        rope["factor"] = max_positions / orig
+        if rope["factor"] < 1:
+            raise ModelLoadError(
+                f"{source}: yarn's factor is null and max_position_embeddings ({max_positions}) / "
+                f"original_max_position_embeddings ({orig}) is below 1; give rope_scaling.factor >= 1"
+            )
+
+    def mscale(m: float = 1.0) -> float:  # transformers' yarn_get_mscale
+        return 1.0 if rope["factor"] <= 1 else 0.1 * m * math.log(rope["factor"]) + 1.0
+
+    if rope["attention_factor"] is None:
+        m, m_all = rope["mscale"], rope["mscale_all_dim"]
+        rope["attention_factor"] = mscale(m) / mscale(m_all) if m and m_all else mscale()
+    if rope["beta_fast"] < rope["beta_slow"]:  # a null beta_fast (32) below a given beta_slow
+        raise ModelLoadError(f"{source}: yarn's beta_fast ({rope['beta_fast']:g}) is below beta_slow "
+                             f"({rope['beta_slow']:g}); expected beta_fast >= beta_slow (defaults 32 and 1)")
+
+
 def _layer_windows(arch: str, d: dict[str, Any], fam: _Reader, layers: int, window: int | None,
                    source: str) -> tuple[int | None, ...]:
     """The attention window of each layer (None: full attention): config.json's layer_types where
@@ -328,6 +371,13 @@ def _family_fields(arch: str, d: dict[str, Any], source: str, hidden: int, head_
         out["rotary_dim"] = dims if dims != head_dim else None
     if rope is not None and rope["rope_type"] == "longrope":
         _longrope(rope, d, max_positions, out.get("rotary_dim") or head_dim, source)
+    elif rope is not None and rope["rope_type"] == "yarn":
+        _yarn(rope, d, max_positions, source)
+    elif rope is not None and rope["rope_type"] == "dynamic":
+        if (out.get("rotary_dim") or head_dim) <= 2:  # the NTK exponent is dims / (dims - 2)
+            raise ModelLoadError(f"{source}: dynamic rope needs more than 2 rotary dims (head_dim {head_dim}); "
+                                 "expected a head_dim > 2 or another rope_type")
+        rope["original_max_position_embeddings"] = max_positions  # transformers' pre-training length
     return out
 
 
@@ -519,15 +569,32 @@ class ModelConfig:
             raise ModelLoadError(f"{path}: cannot parse config.json ({why})") from None
         return cls.from_dict(d, str(path))
 
+    def context_limit(self) -> tuple[int, str]:
+        """(the longest context the model's rotary allows, how it is derived). yarn and dynamic
+        stretch the pre-training window by their factor (vLLM's limits; transformers sets none):
+        Qwen2.5's yarn recipe keeps max_position_embeddings at the pre-training length."""
+        s, limit = self.rope_scaling or {}, self.max_position_embeddings
+        if s.get("rope_type") in ("yarn", "dynamic"):
+            orig = s["original_max_position_embeddings"]
+            scaled = int(orig * s["factor"])
+            if scaled > limit:
+                return scaled, (f"{s['rope_type']} rope context (original_max_position_embeddings {orig} "
+                                f"x factor {s['factor']:g} = {scaled})")
+        return limit, f"max_position_embeddings ({limit})"
+
     def max_model_len(self, requested: int | None) -> int:
-        """The context length an engine (and the planner) uses: `requested`, default the model's
-        max_position_embeddings, refused above it. Sliding-window layers attend within their window
-        (kernels/attention: every backend honours AttentionMetadata windows), so nothing is capped."""
-        limit = self.max_position_embeddings
-        want = requested or limit
+        """The context length an engine (and the planner) uses: `requested`, refused above
+        context_limit; the default is that limit, except for dynamic rope, whose table is stretched
+        for max_model_len (graph/layers.py: RotaryEmbedding), so the default stays at
+        max_position_embeddings, where it is transformers' plain rotary. Sliding-window layers attend
+        within their window (kernels/attention: every backend honours AttentionMetadata windows),
+        so nothing is capped."""
+        limit, why = self.context_limit()
+        dynamic = (self.rope_scaling or {}).get("rope_type") == "dynamic"
+        want = requested or (self.max_position_embeddings if dynamic else limit)
         if want > limit:
             raise ConfigError(
-                f"max_model_len: {want} exceeds the model's max_position_embeddings ({limit}); "
+                f"max_model_len: {want} exceeds the model's {why}; "
                 f"use max_model_len <= {limit}"
             )
         return want

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
 
 import torch
@@ -10,6 +12,8 @@ from torch import nn
 
 from strata.kernels import ops
 from strata.kernels.linear import linear, swiglu
+
+logger = logging.getLogger(__name__)
 
 
 class Linear(nn.Linear):
@@ -89,6 +93,46 @@ def _longrope_inv_freq(inv_freq: torch.Tensor, s: dict, max_positions: int) -> t
     return inv_freq / factors
 
 
+def _yarn_inv_freq(pos_freqs: torch.Tensor, s: dict, theta: float) -> torch.Tensor:
+    """YaRN (transformers' _compute_yarn_parameters, the same ops in the same order): frequencies
+    that turn fewer than beta_slow times over the pre-training window are interpolated (divided by
+    factor), those turning more than beta_fast times kept, a linear ramp between."""
+    dim, orig = 2 * pos_freqs.shape[0], s["original_max_position_embeddings"]
+
+    def turns_dim(turns: float) -> float:  # the dimension whose frequency turns `turns` times in orig
+        return (dim * math.log(orig / (turns * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = turns_dim(s["beta_fast"]), turns_dim(s["beta_slow"])
+    if s["truncate"]:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=pos_freqs.device) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # the share of each frequency extrapolated (left as pre-trained)
+    return (1.0 / (s["factor"] * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
+
+
+@functools.cache  # once per engine context, not per table (the loader re-inits them on its device)
+def _note_dynamic(seq: int, orig: int) -> None:
+    logger.info("dynamic rope: every position uses transformers' base for a %d-token sequence (max_model_len); "
+                "transformers rescales per forward, so shorter prompts differ from it (max_model_len <= %d: "
+                "plain rotary, identical)", seq, orig)
+
+
+def _dynamic_theta(theta: float, s: dict, dim: int, max_positions: int) -> float:
+    """Dynamic NTK: the base transformers uses for a sequence of max_positions tokens (unchanged up
+    to the pre-training length). One table for the engine's context, because the KV cache keeps
+    keys rotated when written; transformers re-derives it from each forward's longest sequence, so
+    the two agree for every sequence when max_model_len <= max_position_embeddings, and for a
+    sequence of exactly max_model_len tokens otherwise (vLLM's table: max_model_len = factor x)."""
+    orig, factor = s["original_max_position_embeddings"], s["factor"]
+    seq = max(max_positions, orig)
+    if seq > orig:
+        _note_dynamic(seq, orig)
+    return theta * ((factor * seq / orig) - (factor - 1)) ** (dim / (dim - 2))
+
+
 class RotaryEmbedding(nn.Module):
     """Non-interleaved (rotate-half) rotary embedding with a precomputed cos/sin table; `head_dim`
     is the rotated width (Phi-4-mini rotates only the first dims of each head)."""
@@ -106,18 +150,25 @@ class RotaryEmbedding(nn.Module):
     def init_tables(self, device: torch.device | str | None = None) -> None:
         """(Re)compute the cos/sin tables, e.g. after the model was materialised from `meta`."""
         d, cpu = self.head_dim, torch.device("cpu")  # explicit: may run under a meta-device context
-        inv_freq = 1.0 / (self.theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=cpu).float() / d))
-        if self.scaling is not None:
-            if self.scaling["rope_type"] == "linear":
-                inv_freq = inv_freq / self.scaling["factor"]
-            elif self.scaling["rope_type"] == "llama3":
-                inv_freq = _llama3_inv_freq(inv_freq, self.scaling)
-            elif self.scaling["rope_type"] == "longrope":
-                inv_freq = _longrope_inv_freq(inv_freq, self.scaling, self.max_positions)
+        kind, theta = (self.scaling or {}).get("rope_type"), self.theta
+        if kind == "dynamic":
+            theta = _dynamic_theta(theta, self.scaling, d, self.max_positions)
+        pos_freqs = theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=cpu).float() / d)
+        inv_freq = 1.0 / pos_freqs
+        if kind == "linear":
+            inv_freq = inv_freq / self.scaling["factor"]
+        elif kind == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, self.scaling)
+        elif kind == "longrope":
+            inv_freq = _longrope_inv_freq(inv_freq, self.scaling, self.max_positions)
+        elif kind == "yarn":
+            inv_freq = _yarn_inv_freq(pos_freqs, self.scaling, theta)
         pos = torch.arange(self.max_positions, dtype=torch.float32, device=cpu)
         freqs = pos[:, None] * inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
-        gain = (self.scaling or {}).get("attention_factor") or 1.0  # longrope scales cos and sin
+        # longrope and yarn scale cos and sin (so every path that reads these tables honours it:
+        # the eager step, the fused CPU decode, the Triton rotary kernel)
+        gain = (self.scaling or {}).get("attention_factor") or 1.0
         self.cos = (emb.cos() * gain).to(device or cpu)
         self.sin = (emb.sin() * gain).to(device or cpu)
 

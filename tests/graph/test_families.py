@@ -101,7 +101,7 @@ def test_gemma3_refusals(change, words):
 @pytest.mark.parametrize("change, words", [
     ({"rope_scaling": {"type": "longrope", "short_factor": [1.0] * 47, "long_factor": [1.0] * 48}},
      ["short_factor", "48 positive numbers"]),
-    ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, ["rope_scaling.type", "yarn", "longrope"]),
+    ({"rope_scaling": {"type": "mrope", "factor": 4.0}}, ["rope_scaling.type", "mrope", "longrope"]),
     ({"partial_rotary_factor": 0.01}, ["partial_rotary_factor", "rotary dims"]),
     ({"hidden_act": "gelu_new"}, ["hidden_act", "gelu_new"]),
 ])

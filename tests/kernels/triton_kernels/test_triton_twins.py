@@ -32,7 +32,7 @@ from strata.kernels.triton import (
     write_kv,
     write_kv_ref,
 )
-from tests.kernels.triton_kernels.triton_cases import paged_cache
+from tests.kernels.triton_kernels.triton_cases import YARN_SCALING, paged_cache
 
 
 @pytest.mark.parametrize(
@@ -121,7 +121,7 @@ def test_silu_twin_matches_gated_mlp(rows, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("scaling", [None, {"rope_type": "linear", "factor": 2.0}])
+@pytest.mark.parametrize("scaling", [None, {"rope_type": "linear", "factor": 2.0}, YARN_SCALING])
 def test_rotary_twin_matches_apply_rotary(dtype, scaling):
     """As the model applies it: q and k adjacent in the fused qkv output, rotated in one call."""
     g = torch.Generator().manual_seed(7)

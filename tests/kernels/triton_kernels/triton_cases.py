@@ -105,6 +105,11 @@ def case_silu(rows, inter, dtype, lead=None):
     return _close(got, exp, dtype)
 
 
+# a completed yarn scaling dict, as ModelConfig leaves it (factor 4: attention factor 0.1 ln 4 + 1)
+YARN_SCALING = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "beta_fast": 32.0,
+                "beta_slow": 1.0, "truncate": True, "attention_factor": 1.1386294361119891}
+
+
 def case_rotary(tokens, heads, kv_heads, dim, dtype, from_qkv=True, scaling=None):
     from strata.graph.layers import RotaryEmbedding
     from strata.kernels.triton import apply_rotary_qk_ref, apply_rotary_qk_triton
@@ -212,6 +217,9 @@ def build_cases() -> dict[str, tuple]:
         add(case_rotary, "rotary", tokens=t, heads=h, kv_heads=kvh, dim=d, dtype=dt, from_qkv=from_qkv)
     cases["rotary-llama3-scaling"] = (case_rotary, dict(
         tokens=3, heads=4, kv_heads=2, dim=16, dtype=F32, from_qkv=True, scaling=llama3))
+    # yarn's attention factor scales the cos/sin tables the kernel reads (a gain != 1)
+    cases["rotary-yarn-scaling"] = (case_rotary, dict(
+        tokens=3, heads=4, kv_heads=2, dim=16, dtype=F32, from_qkv=True, scaling=YARN_SCALING))
 
     for t, kvh, d, blk, dt, from_qkv, pad in [
         (1, 3, 64, 16, F32, True, False), (7, 2, 16, 8, F32, True, False),
