@@ -59,7 +59,8 @@ def parse_bytes(value: int | float | str, field: str) -> int:
     return n
 
 
-KV_CACHE_DTYPES = ("auto", "bfloat16")
+# int8 / fp8: 1-byte K/V with an fp32 scale per (token, KV head) row (kernels/kv_quant.py)
+KV_CACHE_DTYPES = ("auto", "bfloat16", "int8", "fp8")
 
 
 @dataclass
@@ -74,7 +75,9 @@ class EngineConfig:
     kv_cache_memory: int | str | None = None  # bytes or "4GiB"; None = fraction of free memory
     memory_fraction: float = 0.5  # of free memory, used when kv_cache_memory is None
     # auto = the model's dtype; bfloat16 = K/V stored in bf16 whatever the model computes in (CPU:
-    # half the bytes decode attention reads, twice the tokens per GiB; llama.cpp's default is f16)
+    # half the bytes decode attention reads, twice the tokens per GiB; llama.cpp's default is f16);
+    # int8 (CPU) / fp8 (e4m3, CPU through the torch path, CUDA) = 1 byte per value plus an fp32
+    # scale per token and KV head: ~1.9x the tokens of bf16 at head_dim 64
     kv_cache_dtype: str = "auto"
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
@@ -136,17 +139,24 @@ class EngineConfig:
             raise ConfigError(f"max_model_len: must be a positive integer, got {self.max_model_len!r}")
         if self.kv_cache_memory is not None:
             self.kv_cache_memory = parse_bytes(self.kv_cache_memory, "kv_cache_memory")
-        self.kv_cache_dtype = {"bf16": "bfloat16"}.get(self.kv_cache_dtype, self.kv_cache_dtype)
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+        kv = self.kv_cache_dtype = {"bf16": "bfloat16", "fp8_e4m3": "fp8"}.get(self.kv_cache_dtype,
+                                                                               self.kv_cache_dtype)
+        if kv not in KV_CACHE_DTYPES:
             raise ConfigError(
-                f"kv_cache_dtype: {self.kv_cache_dtype!r} is not implemented; choose auto (the model's dtype) "
-                "or bfloat16"
+                f"kv_cache_dtype: {kv!r} is not implemented; choose auto (the model's dtype), bfloat16, "
+                "int8 (CPU) or fp8 (e4m3)"
             )
-        if self.kv_cache_dtype != "auto" and self.device != "cpu":
+        if kv == "bfloat16" and self.device != "cpu":
             raise ConfigError(
-                f"kv_cache_dtype: {self.kv_cache_dtype} is implemented on CPU only; on {self.device} the KV "
+                f"kv_cache_dtype: {kv} is implemented on CPU only; on {self.device} the KV "
                 "cache takes the model's dtype (for a bf16 cache there, run the model with --dtype bfloat16)"
             )
+        if kv == "int8" and self.device != "cpu":
+            raise ConfigError(f"kv_cache_dtype: int8 is implemented on CPU only (its kernels are the CPU "
+                              f"attention's); on {self.device} use fp8")
+        if kv in ("int8", "fp8") and (self.compile or self.fuse):
+            raise ConfigError(f"kv_cache_dtype {kv} does not support --fuse / --compile yet (the traced step "
+                              "writes the cache unquantised); drop one of them")
         if not 0.0 < self.memory_fraction <= 1.0:
             raise ConfigError(f"memory_fraction: must be in (0, 1], got {self.memory_fraction}")
         if self.attention_backend not in ("auto", "torch", "sdpa", "cpu", "triton"):

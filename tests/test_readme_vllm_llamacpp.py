@@ -80,7 +80,7 @@ def test_flags_called_not_here_are_refused(flag, capsys):
     assert e.value.code == 2 and "unrecognized" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("value", ["fp8", "fp8_e4m3", "float16"])
+@pytest.mark.parametrize("value", ["fp8_e5m2", "float16", "int4"])
 def test_kv_cache_dtypes_not_here_are_refused(value, capsys):
     with pytest.raises(SystemExit) as e:
         build_parser().parse_args(["serve", "--kv-cache-dtype", value])

@@ -193,7 +193,8 @@ def fuse(model, config: EngineConfig):
 
 def kv_dtype(config: EngineConfig, dtype: torch.dtype) -> torch.dtype:
     """The KV cache's storage dtype: the model's (`dtype`) unless kv_cache_dtype names another."""
-    return dtype if config.kv_cache_dtype == "auto" else getattr(torch, config.kv_cache_dtype)
+    name = {"fp8": "float8_e4m3fn"}.get(config.kv_cache_dtype, config.kv_cache_dtype)  # int8 / fp8: kernels/kv_quant.py
+    return dtype if name == "auto" else getattr(torch, name)
 
 
 def host_pool(config: EngineConfig, plan: MemoryPlan, cfg: ModelConfig, dtype: torch.dtype) -> HostBlockPool | None:

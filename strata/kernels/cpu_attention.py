@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from strata.kernels import cpu_gemv
+from strata.kernels import cpu_gemv, kv_quant
 from strata.kernels.dispatch import KERNEL_MODE, kernel
 
 try:
@@ -204,10 +204,13 @@ if numba is not None:
 
 
 def reads_cache(kv_cache: torch.Tensor) -> bool:
-    """A contiguous CPU cache the kernels read: fp32, or bf16 (kv_cache_dtype) with a head_dim that
-    is a multiple of 16 (the vector row loops widen it; the scalar ones read fp32 only)."""
-    return kv_cache.is_cpu and kv_cache.is_contiguous() and (
-        kv_cache.dtype is torch.float32 or (kv_cache.dtype is torch.bfloat16 and kv_cache.shape[-1] % 16 == 0))
+    """A contiguous CPU cache the kernels read: fp32, or bf16 or int8 (kv_cache_dtype; int8 rows end
+    in their scale, kernels/kv_quant.py) with a head_dim that is a multiple of 16 (the vector row
+    loops widen or convert it; the scalar ones read fp32 only). fp8 is read by the torch path only."""
+    if not (kv_cache.is_cpu and kv_cache.is_contiguous()):
+        return False
+    dt = kv_cache.dtype
+    return dt is torch.float32 or (dt in (torch.bfloat16, torch.int8) and kv_quant.head_dim_of(kv_cache) % 16 == 0)
 
 
 def usable(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
@@ -221,7 +224,8 @@ def usable(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
 
 
 def cache_views(kv_cache: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-    """(K, V) numpy views of one layer's cache: fp32 as is, bf16 as its bit patterns (uint16)."""
+    """(K, V) numpy views of one layer's cache: fp32 and int8 as they are, bf16 as its bit patterns
+    (uint16)."""
     if kv_cache.dtype == torch.bfloat16:
         bits = kv_cache.view(torch.int16).numpy().view(np.uint16)
         return bits[0], bits[1]

@@ -34,12 +34,28 @@ if numba is not None:
     from strata.kernels import cpu_quant
 
     def store_row(cache_row, values):
-        """cache_row[:] = values, rounded to bf16 (nearest even) for a bf16 cache's uint16 bits."""
+        """cache_row[:] = values, rounded to bf16 (nearest even) for a bf16 cache's uint16 bits,
+        quantised for an int8 cache (values, then the scale: kernels/kv_quant.py)."""
+
+    @njit(cache=True, inline="always")
+    def _quantise_row(cache_row, values):  # pragma: no cover - compiled
+        """kv_quant.quantise's ops, in its order: inv = 127 / absmax, value = rint(x * inv) (half to
+        even, as torch.round), scale = absmax / 127 in the row's last 4 bytes."""
+        d = values.shape[0]
+        m = np.float32(0.0)
+        for c in range(d):
+            m = max(m, abs(values[c]))
+        inv = np.float32(127.0) / m if m > 0 else np.float32(0.0)
+        for c in range(d):
+            cache_row[c] = np.int8(np.rint(values[c] * inv))
+        cache_row[d:].view(np.float32)[0] = m / np.float32(127.0)
 
     @overload(store_row)
     def _store_row(cache_row, values):
         if cache_row.dtype == types.uint16:
             return lambda cache_row, values: cpu_quant._round_bf16(values, cache_row)
+        if cache_row.dtype == types.int8:
+            return lambda cache_row, values: _quantise_row(cache_row, values)
 
         def copy(cache_row, values):
             for c in range(values.shape[0]):
@@ -48,7 +64,8 @@ if numba is not None:
 
     @njit(cache=True)
     def _rope_store(qkv, cos, sin, slots, k_cache, v_cache, heads, kv_heads, q_out):  # pragma: no cover
-        """k_cache / v_cache: fp32, or a bf16 cache's uint16 bit patterns (kv_cache_dtype)."""
+        """k_cache / v_cache: fp32, a bf16 cache's uint16 bit patterns or int8 rows with their scale
+        (kv_cache_dtype)."""
         rows = qkv.shape[0]
         dim = cos.shape[1]
         half = dim // 2
@@ -81,7 +98,7 @@ if numba is not None:
 
 def usable(qkv: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     """Few fp32 CPU rows (cpu_gemv.few_fp32_rows asks the kernel mode first) and a cache the decode
-    kernel reads (cpu_attention.reads_cache: fp32, or bf16 from kv_cache_dtype)."""
+    kernel reads (cpu_attention.reads_cache: fp32, or bf16 or int8 from kv_cache_dtype)."""
     return cpu_gemv.few_fp32_rows(qkv, qkv, MAX_ROWS) and cpu_attention.reads_cache(kv_cache)
 
 

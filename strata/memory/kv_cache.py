@@ -1,4 +1,5 @@
-"""The paged KV cache tensors: one [2, num_blocks, block_size, kv_heads, head_dim] per layer.
+"""The paged KV cache tensors: one [2, num_blocks, block_size, kv_heads, head_dim] per layer
+(head_dim + 4 for an int8 / fp8 cache: each row's fp32 scale, kernels/kv_quant.py).
 
 On CPU the tensors live in anonymous memory maps: the kernel hands out zero pages only when they
 are first written, so a reservation costs resident memory only as far as blocks are used
@@ -14,6 +15,7 @@ import mmap
 import numpy as np
 import torch
 
+from strata.kernels import kv_quant
 from strata.model_config import ModelConfig
 
 # Private, not mmap's default MAP_SHARED: shared anonymous memory is shmem, whose first-touch faults
@@ -25,15 +27,19 @@ from strata.model_config import ModelConfig
 _PRIVATE_ANONYMOUS = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
 
 
-def kv_cache_shape(cfg: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
-    """One layer's paged KV tensor: [K|V, block, slot in block, kv head, head dim]."""
-    return (2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+def kv_cache_shape(cfg: ModelConfig, num_blocks: int, block_size: int,
+                   dtype: torch.dtype | None = None) -> tuple[int, ...]:
+    """One layer's paged KV tensor: [K|V, block, slot in block, kv head, head dim]; a quantised
+    `dtype` (int8 / fp8) widens the last dimension by each row's scale (kernels/kv_quant.py), so the
+    scales live in the blocks they belong to."""
+    width = cfg.head_dim if dtype is None else kv_quant.row_width(dtype, cfg.head_dim)
+    return (2, num_blocks, block_size, cfg.num_kv_heads, width)
 
 
 def allocate_kv_cache(
     cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: str
 ) -> list[torch.Tensor]:
-    shape = kv_cache_shape(cfg, num_blocks, block_size)
+    shape = kv_cache_shape(cfg, num_blocks, block_size, dtype)
     return [untouched_zeros(shape, dtype, device) for _ in range(cfg.num_layers)]
 
 
@@ -51,10 +57,12 @@ def untouched_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str | to
 
 
 def copy_blocks(kv_caches: list[torch.Tensor], copies: list[tuple[int, int]]) -> None:
-    """Copy whole blocks src -> dst in every layer (used when forking a partial block)."""
+    """Copy whole blocks src -> dst in every layer (used when forking a partial block), as bytes: a
+    quantised cache's scales are in its blocks' rows, and every dtype has byte copies."""
     if not copies:
         return
     src = torch.tensor([s for s, _ in copies], device=kv_caches[0].device)
     dst = torch.tensor([d for _, d in copies], device=kv_caches[0].device)
     for cache in kv_caches:
+        cache = cache.view(torch.uint8)
         cache[:, dst] = cache[:, src]

@@ -9,6 +9,7 @@ import psutil
 import torch
 
 from strata.errors import CapacityError
+from strata.kernels import kv_quant
 from strata.memory.quant import quantized_bytes
 from strata.model_config import ModelConfig
 from strata.text_table import fmt_bytes
@@ -17,8 +18,9 @@ logger = logging.getLogger(__name__)
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    """2 (K and V) x layers x kv_heads x head_dim x bytes per element."""
-    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+    """2 (K and V) x layers x kv_heads x head_dim x bytes per element; an int8 / fp8 cache adds each
+    (token, KV head) row's fp32 scale: head_dim 64 takes 68 bytes a row, bf16 128."""
+    return 2 * cfg.num_layers * cfg.num_kv_heads * kv_quant.row_width(dtype, cfg.head_dim) * dtype.itemsize
 
 
 def weight_bytes(

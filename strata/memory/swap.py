@@ -30,7 +30,7 @@ class HostBlockPool:
     def __init__(
         self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, pin: bool
     ) -> None:
-        shape = kv_cache_shape(cfg, num_blocks, block_size)
+        shape = kv_cache_shape(cfg, num_blocks, block_size, dtype)
         self.caches = [untouched_zeros(shape, dtype, pin=pin) for _ in range(cfg.num_layers)]
         self.num_blocks = num_blocks
         self._free: deque[int] = deque(range(num_blocks))
@@ -49,9 +49,12 @@ class HostBlockPool:
 
 
 def _copy(src_caches, dst_caches, src: list[int], dst: list[int], non_blocking: bool) -> None:
+    """Whole blocks, as bytes: a quantised cache's scales sit in its blocks' rows and travel with
+    them (kernels/kv_quant.py), and index_copy_ has no float8 kernel on CPU."""
     src_idx = torch.tensor(src, device=src_caches[0].device)
     dst_idx = torch.tensor(dst, device=dst_caches[0].device)
     for s, d in zip(src_caches, dst_caches):
+        s, d = s.view(torch.uint8), d.view(torch.uint8)
         d.index_copy_(1, dst_idx, s.index_select(1, src_idx).to(d.device, non_blocking=non_blocking))
 
 

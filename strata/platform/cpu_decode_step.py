@@ -125,7 +125,7 @@ class CpuDecodeStep(DecodeStep):
             and meta.backend.name == "cpu" and cpu_decode_layer.available() and SETTINGS.fused_decode
             and ids.dim() == 1 and rows <= MAX_ROWS and ids.is_cpu
             and model.rotary_local is None  # one rotary table for every layer
-            and cpu_attention.reads_cache(self.kv_caches[0])  # fp32 or bf16 (kv_cache_dtype) CPU cache
+            and cpu_attention.reads_cache(self.kv_caches[0])  # fp32, bf16 or int8 (kv_cache_dtype) CPU cache
         ):
             return None
         stack = self._stack(rows)

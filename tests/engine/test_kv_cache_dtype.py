@@ -58,7 +58,7 @@ def test_swapped_sequences_come_back_from_a_bf16_host_pool(llama, prompt_of):
     assert [g.token_ids for g in got] == [r.token_ids for r in ref]
 
 
-@pytest.mark.parametrize("value", ["float16", "fp8", "int8"])
+@pytest.mark.parametrize("value", ["float16", "int4", "fp8_e5m2"])
 def test_an_unimplemented_cache_dtype_is_refused(value):
     with pytest.raises(ConfigError, match="kv_cache_dtype.*not implemented.*auto.*bfloat16"):
         EngineConfig(kv_cache_dtype=value)

@@ -1,7 +1,7 @@
 """The pieces every attention backend shares: prefill spans, the KV-cache write and gather, the math.
 
-KV cache per layer: a tensor [2, num_blocks, block_size, num_kv_heads, head_dim]. Tokens of a
-step arrive flattened ([T, heads, head_dim]): prefill chunks first, then one token per decode.
+KV cache per layer: a tensor [2, num_blocks, block_size, num_kv_heads, head_dim] (a quantised
+cache's rows carry their scale too: kernels/kv_quant.py). Tokens of a step arrive flattened ([T, heads, head_dim]): prefill chunks first, then one token per decode.
 Grouped-query attention never copies K/V per query head: the query heads sharing a KV head are
 laid out as extra query rows of that KV head.
 """
@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from strata.kernels import kv_quant
 
 # attend(q, k, v, mask, causal, scale): q [..., kvh, rows, d], k/v [..., kvh, L, d], mask
 # broadcastable to [..., kvh, rows, L] (True = attend) or None
@@ -32,10 +34,18 @@ class PrefillSpan:
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
     """Store this step's keys and values [T, kv_heads, head_dim] at their cache slots, rounded to
-    the cache's dtype where it is narrower (kv_cache_dtype; the check is skipped while graph/fusion.py
-    traces, so the traced ops stay the pattern it replaces, whose op calls this at run time)."""
+    the cache's dtype where it is narrower, quantised where it is int8 / fp8 (kv_cache_dtype,
+    kernels/kv_quant.py; the check is skipped while graph/fusion.py traces, so the traced ops stay
+    the pattern it replaces, whose op calls this at run time: EngineConfig refuses --fuse and
+    --compile with a quantised cache)."""
     kv_heads, head_dim = k.shape[-2:]
     if not isinstance(k, torch.fx.Proxy) and k.dtype != kv_cache.dtype:
+        if kv_quant.is_quantised(kv_cache.dtype):  # int8 / fp8: values and scales, copied as bytes
+            width = head_dim + kv_quant.SCALE_BYTES  # (index_copy_ has no float8 kernel on CPU)
+            for i, x in ((0, k), (1, v)):
+                rows = kv_quant.quantise(x, kv_cache.dtype).view(torch.uint8)
+                kv_cache[i].view(torch.uint8).view(-1, kv_heads, width).index_copy_(0, slots, rows)
+            return
         k, v = k.to(kv_cache.dtype), v.to(kv_cache.dtype)
     kv_cache[0].view(-1, kv_heads, head_dim).index_copy_(0, slots, k)
     kv_cache[1].view(-1, kv_heads, head_dim).index_copy_(0, slots, v)
@@ -88,11 +98,11 @@ def prefill_span(
     kv_heads = k.shape[1]
     group = q.shape[1] // kv_heads
     qs = q[span.start : span.end].view(n, kv_heads, group, -1).permute(1, 2, 0, 3)
-    if span.context_len == 0:
+    if span.context_len == 0 and not kv_quant.is_quantised(kv_cache.dtype):
         ks, vs = k[span.start : span.end], v[span.start : span.end]
-    else:
+    else:  # a quantised cache is read back even for a fresh prompt: every query sees the K/V decode sees
         ks, vs = gather_kv(kv_cache, span.block_table)
-        ks, vs = ks[: span.context_len + n].to(q.dtype), vs[: span.context_len + n].to(q.dtype)
+        ks, vs = kv_quant.widen(ks[: span.context_len + n], q.dtype), kv_quant.widen(vs[: span.context_len + n], q.dtype)
     mask = span.mask
     if window is not None and span.context_len + n > window:
         first = max(0, span.context_len - window + 1)  # the oldest key the chunk's first query sees
@@ -116,7 +126,8 @@ def gathered_decode(
     kv_heads = kv_cache.shape[-2]
     qd = q.view(b, kv_heads, heads // kv_heads, head_dim)
     ks, vs = gather_kv(kv_cache, block_tables)  # [B, L, kvh, d]
-    ks, vs = ks.to(q.dtype), vs.to(q.dtype)  # a narrower cache (kv_cache_dtype) is widened once gathered
+    # a narrower cache (kv_cache_dtype) is widened once gathered, a quantised one dequantised
+    ks, vs = kv_quant.widen(ks, q.dtype), kv_quant.widen(vs, q.dtype)
     if window is not None or mask is None:
         keys = torch.arange(ks.shape[1], device=q.device)
         mask = (window_mask(context_lens - 1, keys, window) if window is not None

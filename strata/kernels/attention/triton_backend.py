@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import torch
 
+from strata.kernels import kv_quant
 from strata.kernels.attention.base import AttentionBackend
+from strata.kernels.attention.common import gathered_decode
 
 
 class TritonBackend(AttentionBackend):
@@ -26,6 +28,8 @@ class TritonBackend(AttentionBackend):
     def decode(self, q, kv_cache, block_tables, context_lens, mask, scale, window=None) -> torch.Tensor:
         if window is not None:  # the split-K kernel has no window: the gathered path masks it
             return self.windowed_decode(q, kv_cache, block_tables, context_lens, scale, window)
+        if kv_quant.is_quantised(kv_cache.dtype):  # nor scales (fp8): the gathered blocks, dequantised
+            return gathered_decode(q, kv_cache, block_tables, None, scale, self.attend, context_lens)
         from strata.kernels.triton.paged_attention import (
             paged_decode_attention,  # reason: triton is optional
         )
