@@ -1,7 +1,8 @@
 """kv_cache_dtype=int8: the CPU cache kernels (quantise on write, attention over int8 rows and their
 scales) against their torch twins (kernels/kv_quant.py + the "torch" backend over the dequantised
-cache)."""
+cache), and flash-decoding's split against the unsplit kernel."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -103,3 +104,49 @@ def test_an_int8_cache_with_an_odd_head_dim_falls_back_to_the_dequantised_gather
     torch.testing.assert_close(decode_attention(q, cache, cpu_meta, 0.2),
                                decode_attention(q, kv_quant.dequantise(cache, torch.float32), ref_meta, 0.2),
                                rtol=1e-5, atol=1e-5)
+
+
+def _unsplit(q, k, v, tables, lens, scale, window):
+    """The kernel's own pieces with every sequence in one part: no split, no merge across parts."""
+    batch, heads, dim = q.shape
+    kv_heads = k.shape[2]
+    part_max = np.empty((batch, kv_heads, heads // kv_heads), np.float32)
+    part_sum, part_acc = np.empty_like(part_max), np.empty((batch, kv_heads, heads // kv_heads, dim), np.float32)
+    for b in range(batch):
+        cpu_attention._attend_part(q, k, v, tables, lens, scale, window, 1, b, part_max, part_sum, part_acc)
+    out = np.empty_like(q)
+    for bh in range(batch * heads):
+        cpu_attention._merge_head(bh, 1, part_max, part_sum, part_acc, out)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int8])
+@pytest.mark.parametrize("lens, window", [([4000], 0), ([2500, 1800], 0), ([3000], 1000), ([1200] * 4, 0), ([16384], 0)])
+def test_flash_decoding_split_equals_the_unsplit_kernel(dtype, lens, window):
+    """Long contexts at batch 1-4 are cut into parts along the keys (their own max and sum, merged
+    by log-sum-exp): the answer equals one part per sequence within fp32 rounding, on 1 thread and
+    on every thread bit for bit."""
+    import numba
+
+    g = torch.Generator().manual_seed(sum(lens) + window)
+    block, kv_heads, heads, dim = 16, 3, 9, 64
+    if dtype == torch.int8:
+        cache, table_t, lens_t = _int8_cache(g, lens, block, kv_heads, dim)
+    else:
+        cache, table_t, lens_t = paged_cache(g, lens, block, kv_heads, dim, dtype)
+    q = torch.randn(len(lens), heads, dim, generator=g) * 2
+    k, v = cpu_attention.cache_views(cache)
+    args = (q.numpy(), k, v, table_t.numpy(), lens_t.numpy(), np.float32(dim**-0.5), np.int64(window))
+    split = []
+    before = numba.get_num_threads()
+    try:
+        for threads in sorted({1, numba.config.NUMBA_NUM_THREADS}):
+            numba.set_num_threads(threads)
+            out = np.empty_like(q.numpy())
+            cpu_attention._paged_decode(*args, out)
+            split.append(out)
+    finally:
+        numba.set_num_threads(before)
+    assert all(np.array_equal(s, split[0]) for s in split)
+    assert cpu_attention.split_parts(len(lens), max(min(n, window or n) for n in lens), heads, dim) > 1
+    np.testing.assert_allclose(split[0], _unsplit(*args), rtol=1e-5, atol=1e-6)
