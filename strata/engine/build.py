@@ -1,13 +1,13 @@
 """build_engine(config): the engine's assembly as an ordered list of small steps.
 
-    probe once -> platform -> open checkpoint -> load -> quantize -> (shard) -> prepare ->
+    probe once -> platform -> open checkpoint -> load (quantising as it reads) -> (shard) -> prepare ->
     KV memory -> fuse -> decode step -> runner, policy, scheduler, sampler
 
 Each step takes the pieces it needs and returns the pieces it makes or changes; none sees the
 engine (torchtitan's `parallelize` style). The machine's facts come in once, as the hardware
 profile; the platform (strata/platform: CPU or GPU) chosen from it supplies the device's pieces:
 weight storage, kernel marks, the decode step and the step policy with its tuners. Tensor
-parallelism adds its shard step after quantize. The engine (llm_engine.py) only runs steps over
+parallelism adds its shard step after the load. The engine (llm_engine.py) only runs steps over
 the parts built here.
 """
 
@@ -50,11 +50,10 @@ from strata.hardware.placement import rank_placement, set_compute_threads
 from strata.hardware.probe import cached_comm_model, probe
 from strata.hardware.profile import HardwareProfile
 from strata.kernels.attention import select_backend
-from strata.memory.bf16_weights import narrow_model
 from strata.memory.blocks import BlockManager
 from strata.memory.kv_cache import allocate_kv_cache
 from strata.memory.planner import MemoryPlan, check_fits, kv_bytes_per_token, plan_memory
-from strata.memory.quant import quantize_model
+from strata.memory.quant import model_weight_bytes
 from strata.memory.swap import HostBlockPool, KVSwapper
 from strata.model_config import ModelConfig
 from strata.platform import Platform, select_platform
@@ -158,23 +157,15 @@ def resolve_max_model_len(cfg: ModelConfig, requested: int | None) -> int:
 # --- model ------------------------------------------------------------------------------------------
 
 
-def load(ckpt: Checkpoint, dtype: torch.dtype, device: str, max_model_len: int):
+def load(ckpt: Checkpoint, dtype: torch.dtype, device: str, max_model_len: int,
+         storage: str | None = None, group_size: int = 64):
+    """The model, its projections streamed into `storage` (bf16 / int8 / int4 weight-only
+    quantisation: memory/bf16_weights.py, memory/quant.py) as the checkpoint is read."""
     t0 = time.perf_counter()
-    model = load_model(ckpt.path, dtype, device, max_model_len)
-    logger.info("loaded %s (%s, %s) in %.2fs", ckpt.path, ckpt.model_config.architecture, dtype,
-                time.perf_counter() - t0)
-    return model
-
-
-def quantize(model, config: EngineConfig):
-    """Weight-only int8/int4, or bf16 storage, applied to the built model from outside."""
-    if config.quantization is None:
-        return model
-    if config.quantization == "bf16":
-        return narrow_model(model)
-    t0 = time.perf_counter()
-    quantize_model(model, config.quantization, config.quantization_group_size)
-    logger.info("quantized to %s in %.2fs", config.quantization, time.perf_counter() - t0)
+    model = load_model(ckpt.path, dtype, device, max_model_len, storage, group_size)
+    logger.info("loaded %s (%s, %s%s) in %.2fs; weights %s", ckpt.path, ckpt.model_config.architecture, dtype,
+                f", {storage} projections" if storage else "", time.perf_counter() - t0,
+                fmt_bytes(model_weight_bytes(model)))
     return model
 
 
@@ -379,7 +370,7 @@ def _build(config: EngineConfig, ckpt: Checkpoint, detokenize: bool, threads: in
     config = resolve_weight_storage(config, cfg.torch_dtype, platform.profile)
     dtype = resolve_dtype(config.dtype, config.device, cfg.torch_dtype, platform.profile)
     max_len = resolve_max_model_len(cfg, config.max_model_len)
-    model = quantize(load(ckpt, dtype, config.device, max_len), config)
+    model = load(ckpt, dtype, config.device, max_len, config.quantization, config.quantization_group_size)
     rank_cfg, agree = cfg, None
     if ranks is not None:
         model = shard(model, ranks, comm)

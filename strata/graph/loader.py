@@ -1,26 +1,34 @@
 """HF model directory -> CausalLM: streams safetensors tensor by tensor, fusing q/k/v and gate/up.
 
-The model is built on the `meta` device and materialised empty in its final dtype, so peak memory
-is about one copy of the weights; a model whose weights do not fit in the free memory of the device
-is refused before anything is allocated (check_weights_fit). Pickle checkpoints (*.bin, *.pt) are
-refused: unpickling runs code.
+The model is built on the `meta` device, converted there to its final weight storage (bf16, int8
+or int4 projections: memory/bf16_weights.py, memory/quant.py), and only then given memory, once, in
+its final format. Each checkpoint tensor is then read (graph/safetensors_file.py: plain reads, no
+whole-file mapping) straight into its destination, or a few MB of rows at a time converted or
+quantised on the way in. So the load peak is the final weights plus STAGING_BYTES, never a float
+copy of the model (load_peak_bytes; `strata plan` states it). A model that does not fit in the free
+memory of the device is refused before anything is allocated (check_weights_fit). Pickle
+checkpoints (*.bin, *.pt) are refused: unpickling runs code.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from torch import nn
 
 from strata.errors import ModelLoadError
 from strata.graph.hub import check_model_dir
 from strata.graph.models.llama import CausalLM
-from strata.memory.arena import arena_tensors
+from strata.graph.safetensors_file import SafetensorsFile
+from strata.memory.arena import materialize_in_arena
+from strata.memory.bf16_weights import narrow_model
 from strata.memory.planner import free_memory, weight_bytes
+from strata.memory.quant import QuantLinear, quantize_model
 from strata.model_config import ModelConfig
 from strata.text_table import fmt_bytes
 
@@ -33,10 +41,32 @@ _CONVERT_HINT = (
 )
 
 
+# Rows read at a time where a tensor is converted on the way in (bounds the load's temporaries)
+READ_CHUNK_BYTES = 16 << 20
+# What a load holds beyond the final weights: one read chunk, its float copy and the quantiser's
+# temporaries (memory/quant.QUANT_CHUNK_ELEMENTS), with room to spare
+STAGING_BYTES = 256 << 20
+
+
 @dataclass
 class _Target:
-    param: torch.Tensor
+    module: nn.Module
+    attr: str  # "weight" or "bias" (or a norm's weight)
     rows: slice | None  # destination rows of a fused weight; None = the whole tensor
+
+    @property
+    def param(self) -> torch.Tensor:
+        return getattr(self.module, self.attr)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        if isinstance(self.module, QuantLinear) and self.attr == "weight":
+            full = (self.module.out_features, self.module.in_features)
+        else:
+            full = tuple(self.param.shape)
+        if self.rows is None:
+            return full
+        return (self.rows.stop - self.rows.start, *full[1:])
 
 
 def weight_files(path: Path) -> list[Path]:
@@ -63,46 +93,61 @@ def weight_files(path: Path) -> list[Path]:
     raise ModelLoadError(f"{path}: no model.safetensors (or sharded *.safetensors with an index) found")
 
 
-def model_bytes(cfg: ModelConfig, dtype: torch.dtype, max_positions: int | None = None) -> int:
-    """Bytes the loaded model holds: its weights in `dtype` plus the rotary cos/sin tables (fp32,
-    graph/layers.py), which are allocated when the model is built."""
+def model_bytes(cfg: ModelConfig, dtype: torch.dtype, max_positions: int | None = None,
+                storage: str | None = None, group_size: int = 64) -> int:
+    """Bytes the loaded model holds: its weights in `dtype` (the projections in `storage`: bf16,
+    int8 or int4) plus the rotary cos/sin tables (fp32, graph/layers.py)."""
     positions = max_positions or cfg.max_position_embeddings
     tables = 2 if cfg.rope_local_theta is not None else 1  # Gemma 3: a second table for its local layers
-    return weight_bytes(cfg, dtype) + tables * 2 * positions * 2 * (-(-cfg.rotary_dims // 2)) * 4
+    return weight_bytes(cfg, dtype, storage, group_size) + tables * 2 * positions * 2 * (-(-cfg.rotary_dims // 2)) * 4
+
+
+def load_peak_bytes(cfg: ModelConfig, dtype: torch.dtype, max_positions: int | None = None,
+                    storage: str | None = None, group_size: int = 64) -> int:
+    """The most memory a load holds at once: the final model plus the staging of one read chunk."""
+    return model_bytes(cfg, dtype, max_positions, storage, group_size) + STAGING_BYTES
 
 
 def check_weights_fit(
-    cfg: ModelConfig, dtype: torch.dtype, device: str, max_positions: int | None, path: Path | str
+    cfg: ModelConfig, dtype: torch.dtype, device: str, max_positions: int | None, path: Path | str,
+    storage: str | None = None, group_size: int = 64,
 ) -> None:
     """Refuse, before allocating anything, a model that does not fit in the memory available on
     `device`: psutil's available memory on CPU, cudaMemGetInfo's free memory on CUDA."""
-    need = model_bytes(cfg, dtype, max_positions)
+    need = load_peak_bytes(cfg, dtype, max_positions, storage, group_size)
     available = free_memory(device)
     if need <= available:
         return
-    name = str(dtype).removeprefix("torch.")
+    name = str(dtype).removeprefix("torch.") + (f" with {storage} projections" if storage else "")
     where = f"free memory on {device}" if device.startswith("cuda") else "available CPU memory"
     fixes = []
-    if dtype.itemsize > 2:
+    if dtype.itemsize > 2 and storage is None:
         fixes.append(f"load in a smaller dtype (--dtype bfloat16 needs "
-                     f"{fmt_bytes(model_bytes(cfg, torch.bfloat16, max_positions))})")
+                     f"{fmt_bytes(load_peak_bytes(cfg, torch.bfloat16, max_positions))})")
+    for smaller in {None: ("int8", "int4"), "bf16": ("int8", "int4"), "int8": ("int4",)}.get(storage, ()):
+        fixes.append(f"--quantization {smaller} (needs "
+                         f"{fmt_bytes(load_peak_bytes(cfg, dtype, max_positions, smaller, group_size))})")
     machine = "a GPU" if device.startswith("cuda") else "a machine"
     fixes += ["use a smaller model", f"run on {machine} with more than {fmt_bytes(need)} free"]
     raise ModelLoadError(
-        f"{path}: the model needs {fmt_bytes(need)} ({need:,} bytes: {cfg.num_params() / 1e9:.2f}B "
-        f"parameters in {name}), but only {fmt_bytes(available)} ({available:,} bytes) of {where} is "
-        f"left; refused before allocating. Fix: {', '.join(fixes[:-1])} or {fixes[-1]} (--quantization "
-        "int8/int4 does not lower this peak: the weights are loaded in --dtype first, then quantised)"
+        f"{path}: loading the model needs {fmt_bytes(need)} ({need:,} bytes: {cfg.num_params() / 1e9:.2f}B "
+        f"parameters in {name}, plus {fmt_bytes(STAGING_BYTES)} of read staging), but only "
+        f"{fmt_bytes(available)} ({available:,} bytes) of {where} is left; refused before allocating. "
+        f"Fix: {', '.join(fixes[:-1])} or {fixes[-1]}"
     )
 
 
 def checkpoint_targets(model: CausalLM, cfg: ModelConfig) -> dict[str, _Target]:
     """HF checkpoint tensor name -> where it lives in our (fused) model (loading fills these
-    slices; the training export reads them back out)."""
-    t: dict[str, _Target] = {"model.embed_tokens.weight": _Target(model.embed_tokens.weight, None)}
-    t["model.norm.weight"] = _Target(model.norm.weight, None)
+    slices; the training export reads them back out). Works on a model whose projections are
+    already in their storage format: a QuantLinear's "weight" is filled by quantising rows."""
+    embed = model.embed_tokens
+    if not hasattr(embed, "weight"):  # a tied, quantised embedding: the lm_head's rows
+        embed = model.lm_head
+    t: dict[str, _Target] = {"model.embed_tokens.weight": _Target(embed, "weight", None)}
+    t["model.norm.weight"] = _Target(model.norm, "weight", None)
     if not cfg.tie_word_embeddings:
-        t["lm_head.weight"] = _Target(model.lm_head.weight, None)
+        t["lm_head.weight"] = _Target(model.lm_head, "weight", None)
     q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
     # Phi-3's checkpoints fuse q/k/v and gate/up already (in our order): whole tensors, not slices
     fused = cfg.architecture == "Phi3ForCausalLM"
@@ -111,97 +156,105 @@ def checkpoint_targets(model: CausalLM, cfg: ModelConfig) -> dict[str, _Target]:
         attn, mlp = layer.self_attn, layer.mlp
         qkv_rows = {"q": slice(0, q), "k": slice(q, q + kv), "v": slice(q + kv, q + 2 * kv)}
         if fused:
-            t[f"{p}self_attn.qkv_proj.weight"] = _Target(attn.qkv_proj.weight, None)
+            t[f"{p}self_attn.qkv_proj.weight"] = _Target(attn.qkv_proj, "weight", None)
             qkv_rows = {}
         for name, rows in qkv_rows.items():
-            t[f"{p}self_attn.{name}_proj.weight"] = _Target(attn.qkv_proj.weight, rows)
+            t[f"{p}self_attn.{name}_proj.weight"] = _Target(attn.qkv_proj, "weight", rows)
             if cfg.qkv_bias:
-                t[f"{p}self_attn.{name}_proj.bias"] = _Target(attn.qkv_proj.bias, rows)
-        t[f"{p}self_attn.o_proj.weight"] = _Target(attn.o_proj.weight, None)
+                t[f"{p}self_attn.{name}_proj.bias"] = _Target(attn.qkv_proj, "bias", rows)
+        t[f"{p}self_attn.o_proj.weight"] = _Target(attn.o_proj, "weight", None)
         if cfg.o_bias:
-            t[f"{p}self_attn.o_proj.bias"] = _Target(attn.o_proj.bias, None)
+            t[f"{p}self_attn.o_proj.bias"] = _Target(attn.o_proj, "bias", None)
         if cfg.qk_norm:
-            t[f"{p}self_attn.q_norm.weight"] = _Target(attn.q_norm.weight, None)
-            t[f"{p}self_attn.k_norm.weight"] = _Target(attn.k_norm.weight, None)
+            t[f"{p}self_attn.q_norm.weight"] = _Target(attn.q_norm, "weight", None)
+            t[f"{p}self_attn.k_norm.weight"] = _Target(attn.k_norm, "weight", None)
         gate_up_rows = {"gate": slice(0, inter), "up": slice(inter, 2 * inter)}
         if fused:
-            t[f"{p}mlp.gate_up_proj.weight"] = _Target(mlp.gate_up_proj.weight, None)
+            t[f"{p}mlp.gate_up_proj.weight"] = _Target(mlp.gate_up_proj, "weight", None)
             gate_up_rows = {}
         for name, rows in gate_up_rows.items():
-            t[f"{p}mlp.{name}_proj.weight"] = _Target(mlp.gate_up_proj.weight, rows)
+            t[f"{p}mlp.{name}_proj.weight"] = _Target(mlp.gate_up_proj, "weight", rows)
             if cfg.mlp_bias:
-                t[f"{p}mlp.{name}_proj.bias"] = _Target(mlp.gate_up_proj.bias, rows)
-        t[f"{p}mlp.down_proj.weight"] = _Target(mlp.down_proj.weight, None)
+                t[f"{p}mlp.{name}_proj.bias"] = _Target(mlp.gate_up_proj, "bias", rows)
+        t[f"{p}mlp.down_proj.weight"] = _Target(mlp.down_proj, "weight", None)
         if cfg.mlp_bias:
-            t[f"{p}mlp.down_proj.bias"] = _Target(mlp.down_proj.bias, None)
-        t[f"{p}input_layernorm.weight"] = _Target(layer.input_layernorm.weight, None)
-        t[f"{p}post_attention_layernorm.weight"] = _Target(layer.post_attention_layernorm.weight, None)
+            t[f"{p}mlp.down_proj.bias"] = _Target(mlp.down_proj, "bias", None)
+        t[f"{p}input_layernorm.weight"] = _Target(layer.input_layernorm, "weight", None)
+        t[f"{p}post_attention_layernorm.weight"] = _Target(layer.post_attention_layernorm, "weight", None)
         if cfg.gemma_norms:
             for name in ("pre_feedforward_layernorm", "post_feedforward_layernorm"):
-                t[f"{p}{name}.weight"] = _Target(getattr(layer, name).weight, None)
+                t[f"{p}{name}.weight"] = _Target(getattr(layer, name), "weight", None)
     return t
 
 
-def materialize_in_arena(model: torch.nn.Module, align: int = 64) -> None:
-    """Give every meta parameter CPU storage inside one arena (memory/arena.py: huge pages)."""
-    params = list(model.named_parameters())  # tied weights appear once
-    storages = arena_tensors([(p.shape, p.dtype) for _, p in params], align)
-    for (name, _), storage in zip(params, storages):
-        module_name, _, attr = name.rpartition(".")
-        module = model.get_submodule(module_name)
-        setattr(module, attr, torch.nn.Parameter(storage, requires_grad=False))
+def convert_storage(model: CausalLM, storage: str | None, group_size: int) -> None:
+    """Put the meta model's projections in their final storage before it gets any memory."""
+    if storage == "bf16":
+        narrow_model(model)
+    elif storage is not None:
+        quantize_model(model, storage, group_size)
 
 
-def _open(file: Path):
-    try:
-        return safe_open(str(file), framework="pt", device="cpu")
-    except Exception as e:  # safetensors raises its own error types for bad headers
-        raise ModelLoadError(
-            f"{file}: corrupt or truncated safetensors file ({e}); re-download or re-save it"
-        ) from None
+def _fill(f: SafetensorsFile, name: str, target: _Target) -> None:
+    """Read tensor `name` into its target: straight into the destination where the dtypes match,
+    else READ_CHUNK_BYTES of rows at a time, converted (or quantised) on the way in."""
+    shape = f.shape(name)
+    n, row = shape[0], math.prod(shape[1:])
+    quantised = isinstance(target.module, QuantLinear) and target.attr == "weight"
+    if quantised:
+        start = 0 if target.rows is None else target.rows.start
+        write = lambda a, rows: target.module.quantize_rows(start + a, rows)  # noqa: E731
+    else:
+        dest = target.param if target.rows is None else target.param[target.rows]
+        if dest.device.type == "cpu" and dest.dtype == f.dtype(name) and dest.is_contiguous():
+            f.read_rows(name, 0, n, out=dest)
+            return
+        write = lambda a, rows: dest[a : a + rows.shape[0]].copy_(rows)  # noqa: E731
+    step = max(1, READ_CHUNK_BYTES // (4 * row))  # rows whose fp32 copy fits one chunk
+    for a in range(0, n, step):
+        write(a, f.read_rows(name, a, min(n, a + step)))
 
 
 def load_model(
-    path: str | Path, dtype: torch.dtype, device: str = "cpu", max_positions: int | None = None
+    path: str | Path, dtype: torch.dtype, device: str = "cpu", max_positions: int | None = None,
+    storage: str | None = None, group_size: int = 64,
 ) -> CausalLM:
-    """Build the model for an HF directory and fill it from its safetensors, streaming."""
+    """Build the model for an HF directory and fill it from its safetensors, streaming.
+
+    storage: the projections' final format (None: `dtype`; "bf16" storage of an fp32 model,
+    "int8", "int4" with `group_size`), reached tensor by tensor as the weights are read."""
     path = check_model_dir(path)
     cfg = ModelConfig.from_file(path / "config.json")
     files = weight_files(path)
-    check_weights_fit(cfg, dtype, device, max_positions, path)
+    check_weights_fit(cfg, dtype, device, max_positions, path, storage, group_size)
     with torch.device("meta"):
         model = CausalLM(cfg, max_positions)
     model = model.to(dtype)
+    model.tie_weights()
+    convert_storage(model, storage, group_size)
     if torch.device(device).type == "cpu":
-        materialize_in_arena(model)
+        materialize_in_arena(model)  # shared (tied) tensors stay shared
     else:
         model = model.to_empty(device=device)
-    model.tie_weights()
+        model.tie_weights()
     targets = checkpoint_targets(model, cfg)
     loaded: set[str] = set()
     ignored: list[str] = []
     with torch.no_grad():
         for file in files:
-            with _open(file) as f:
-                for name in f.keys():
+            with SafetensorsFile(file) as f:
+                for name in f.names():
                     target = targets.get(name)
                     if target is None:
                         ignored.append(name)
                         continue
-                    dest = target.param if target.rows is None else target.param[target.rows]
-                    shape = tuple(f.get_slice(name).get_shape())
-                    if shape != tuple(dest.shape):
+                    shape = f.shape(name)
+                    if shape != target.shape:
                         raise ModelLoadError(
                             f"{file.name}: tensor {name!r} has shape {list(shape)}, but config.json "
-                            f"implies {list(dest.shape)}; the checkpoint and config.json disagree"
+                            f"implies {list(target.shape)}; the checkpoint and config.json disagree"
                         )
-                    try:
-                        tensor = f.get_tensor(name)
-                    except Exception as e:
-                        raise ModelLoadError(
-                            f"{file}: cannot read tensor {name!r} ({e}); the file is corrupt or truncated"
-                        ) from None
-                    dest.copy_(tensor)
+                    _fill(f, name, target)
                     loaded.add(name)
     missing = sorted(set(targets) - loaded)
     if missing:

@@ -41,14 +41,6 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-def _int4_perm(in_features: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Columns held by the low and the high nibbles of the packed bytes, in byte order."""
-    half = group_size // 2
-    base = torch.arange(0, in_features, group_size)[:, None]
-    lo = (base + torch.arange(half)).reshape(-1)
-    return lo, lo + half
-
-
 def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """w [out, in] -> (packed uint8 [out, in / 2], fp32 scale [out, in / group_size])."""
     n_out, n_in = w.shape
@@ -57,12 +49,13 @@ def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch
             f"int4: group_size {group_size} must be even and divide in_features {n_in}"
         )
     wg = w.detach().float().view(n_out, n_in // group_size, group_size)
-    idx = wg.abs().argmax(dim=2, keepdim=True)
-    extreme = wg.gather(2, idx).squeeze(2)  # the signed value of largest magnitude
+    hi, lo = wg.amax(dim=2), wg.amin(dim=2)
+    extreme = torch.where(hi >= -lo, hi, lo)  # the signed value of largest magnitude
     scale = torch.where(extreme != 0, extreme / -8.0, torch.ones_like(extreme))
-    q = torch.round(wg / scale[..., None]).add_(8).clamp_(0, 15).to(torch.uint8).view(n_out, n_in)
-    lo, hi = _int4_perm(n_in, group_size)
-    packed = q[:, lo] | (q[:, hi] << 4)
+    q = torch.round(wg / scale[..., None]).add_(8).clamp_(0, 15).to(torch.uint8)
+    # each group's first half in the low nibbles, its second half in the high ones (byte order)
+    q = q.view(n_out, n_in // group_size, 2, group_size // 2)
+    packed = (q[:, :, 0] | (q[:, :, 1] << 4)).view(n_out, n_in // 2)
     return packed.contiguous(), scale.contiguous()
 
 

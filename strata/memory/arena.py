@@ -32,7 +32,18 @@ def arena_tensors(specs: list[tuple[torch.Size, torch.dtype]], align: int = 64) 
 def rehome_in_arena(model: nn.Module, align: int = 64) -> None:
     """Copy every parameter and persistent buffer of `model` into one new arena, so the arena
     holding the old (full, or unquantised) weights is released; shared tensors stay shared (one
-    new Parameter per old one). Quantisation and tensor-parallel sharding both end with it."""
+    new Parameter per old one). Quantisation and tensor-parallel sharding both end with it. A
+    model on a GPU (every slice its own allocation) or on `meta` (nothing to copy) is left alone."""
+    _place_in_arena(model, align, "cpu")
+
+
+def materialize_in_arena(model: nn.Module, align: int = 64) -> None:
+    """Give every parameter and persistent buffer of a model built on `meta` uninitialised CPU
+    storage in one arena, shared tensors staying shared (the loader then streams the weights in)."""
+    _place_in_arena(model, align, "meta")
+
+
+def _place_in_arena(model: nn.Module, align: int, source: str) -> None:
     entries = []
     for module in model.modules():
         for name, p in module.named_parameters(recurse=False):
@@ -41,11 +52,12 @@ def rehome_in_arena(model: nn.Module, align: int = 64) -> None:
             if name not in module._non_persistent_buffers_set:
                 entries.append((module, name, b, False))
     unique = list({id(t): t for _, _, t, _ in entries}.values())
-    if not unique or any(t.device.type != "cpu" for t in unique):
-        return  # on a GPU every slice is already its own allocation
+    if not unique or any(t.device.type != source for t in unique):
+        return
     new: dict[int, torch.Tensor] = {}
     for t, view in zip(unique, arena_tensors([(t.shape, t.dtype) for t in unique], align)):
-        view.copy_(t)
+        if source != "meta":
+            view.copy_(t)
         new[id(t)] = nn.Parameter(view, requires_grad=False) if isinstance(t, nn.Parameter) else view
     for module, name, t, is_param in entries:
         if is_param:

@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 METHODS = quant_formats.METHODS
 GROUP_SIZES = quant_formats.GROUP_SIZES
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
+QUANT_CHUNK_ELEMENTS = 1 << 22  # weights quantised at a time: bounds the float temporaries (~100 MB)
 
 
 def layer_format(method: str, in_features: int, group_size: int) -> tuple[str, int]:
@@ -70,21 +71,42 @@ class QuantLinear(nn.Module):
         self._kernel_weights: tuple = ()
 
     @classmethod
+    def empty(cls, method: str, out_features: int, in_features: int, group_size: int,
+              bias: torch.Tensor | None, device: torch.device | str) -> QuantLinear:
+        """An uninitialised QuantLinear of this shape (on `meta`: for the loader to place and fill)."""
+        method, g = layer_format(method, in_features, group_size)
+        if method == "int8":
+            qweight = torch.empty(out_features, in_features, dtype=torch.int8, device=device)
+            scale = torch.empty(out_features, dtype=torch.float32, device=device)
+        else:
+            qweight = torch.empty(out_features, in_features // 2, dtype=torch.uint8, device=device)
+            scale = torch.empty(out_features, in_features // g, dtype=torch.float32, device=device)
+        return cls(method, qweight, scale, in_features, g, bias)
+
+    @classmethod
     def from_linear(cls, linear: nn.Linear, method: str, group_size: int) -> QuantLinear:
-        method, g = layer_format(method, linear.in_features, group_size)
         w = linear.weight.detach()
-        # in row chunks: the float temporaries of a whole vocabulary-sized lm_head would add
-        # ~2x its fp32 size to peak memory (and stay in the heap afterwards)
-        step = max(1, (1 << 22) // max(1, w.shape[1]))
-        parts = [
-            quant_formats.quantize_int8(w[i : i + step]) if method == "int8"
-            else quant_formats.quantize_int4(w[i : i + step], g)
-            for i in range(0, w.shape[0], step)
-        ]
-        qweight = torch.cat([q for q, _ in parts])
-        scale = torch.cat([s for _, s in parts])
         bias = None if linear.bias is None else linear.bias.detach()
-        return cls(method, qweight.to(w.device), scale.to(w.device), linear.in_features, g, bias)
+        q = cls.empty(method, linear.out_features, linear.in_features, group_size, bias, w.device)
+        if w.device.type != "meta":
+            q.quantize_rows(0, w)
+        return q
+
+    def quantize_rows(self, start: int, w: torch.Tensor) -> None:
+        """Quantise float rows `w` into output rows [start, start + len(w)) of this weight, in place.
+
+        In row chunks: the float temporaries of a whole vocabulary-sized lm_head would add ~2x its
+        fp32 size to peak memory (and stay in the heap afterwards)."""
+        step = max(1, QUANT_CHUNK_ELEMENTS // max(1, w.shape[1]))
+        for i in range(0, w.shape[0], step):
+            part = w[i : i + step]
+            if self.method == "int8":
+                q, s = quant_formats.quantize_int8(part)
+            else:
+                q, s = quant_formats.quantize_int4(part, self.group_size)
+            rows = slice(start + i, start + i + part.shape[0])
+            self.qweight[rows].copy_(q)
+            self.scale[rows].copy_(s)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float weight this module computes with (torch reference twin)."""
@@ -151,6 +173,7 @@ def _release_heap() -> None:
 
 def quantize_model(model: nn.Module, method: str, group_size: int = 64) -> nn.Module:
     """Replace the model's dense projections by QuantLinear modules, in place; returns the model.
+    On a model built on `meta` the QuantLinears are left empty, for the loader to fill.
 
     method: "int8" (per-output-channel scales) or "int4" (group-wise scales over `group_size`
     input columns, two weights per byte). See the module docstring for tied embeddings.

@@ -87,10 +87,19 @@ class CpuPlatform(Platform):
 def resolve_weight_storage(config: EngineConfig, checkpoint_dtype: torch.dtype, profile) -> EngineConfig:
     """bf16 weight storage with fp32 compute (memory/bf16_weights.py): asked for with
     quantization="bf16" (on any device), or chosen by dtype="auto" on a CPU for a bf16 checkpoint
-    when the profile measured it faster (cpu_policy.bf16_storage). Returns the config with dtype and
-    quantization filled in."""
-    auto = (config.dtype == "auto" and config.quantization is None and config.device == "cpu"
-            and config.tensor_parallel_size == 1 and not config.compile)
+    when the profile measured it faster (cpu_policy.bf16_storage). On a CPU, dtype="bfloat16" (a
+    vLLM user's habit) gets the same narrow-weight kernels: bf16 weights (or the int8/int4 ones
+    asked for) with fp32 activations, as exact as bf16 compute and faster (torch's bf16 GEMV at
+    decode's few rows is ~2x slower than the kernels reading bf16 into fp32 registers), and a bf16
+    KV cache unless another was asked for. Returns the config with dtype and quantization filled in."""
+    fast_cpu = config.device == "cpu" and config.tensor_parallel_size == 1 and not config.compile
+    if config.dtype == "bfloat16" and fast_cpu and cpu_bf16.available():
+        kv = "bfloat16" if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
+        logger.info("dtype bfloat16 on CPU: %s weights, fp32 activations, %s KV cache (the narrow-weight kernels; "
+                    "bf16 compute would run torch's slower bf16 ops)", config.quantization or "bf16", kv)
+        return dataclasses.replace(config, dtype="float32", quantization=config.quantization or "bf16",
+                                   kv_cache_dtype=kv)
+    auto = config.dtype == "auto" and config.quantization is None and fast_cpu
     if not auto and config.quantization != "bf16":
         return config
     if not cpu_bf16.available():

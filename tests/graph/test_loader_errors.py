@@ -208,7 +208,7 @@ def test_model_bigger_than_memory_refused_before_allocating(model_copy, monkeypa
     path = model_copy / "config.json"
     path.write_text(json.dumps({**json.loads(path.read_text()), **LLAMA2_7B_SHAPES}))
     cfg = ModelConfig.from_file(path)
-    need = loader.model_bytes(cfg, torch.float32, 96)
+    need = loader.load_peak_bytes(cfg, torch.float32, 96)
     assert need > 25 * 2**30
     _available(monkeypatch, 2**30)
     built = []
@@ -225,15 +225,17 @@ def test_model_bigger_than_memory_refused_before_allocating(model_copy, monkeypa
     assert fmt_bytes(need) in msg and f"{need:,} bytes" in msg, msg  # what the weights need
     assert "1.0 GiB" in msg and f"{2**30:,} bytes" in msg, msg  # what is available
     assert "6.74B parameters in float32" in msg, msg
-    assert "--dtype bfloat16" in msg and fmt_bytes(loader.model_bytes(cfg, torch.bfloat16, 96)) in msg, msg
-    assert "more than" in msg and "--quantization" in msg, msg
+    assert "--dtype bfloat16" in msg and fmt_bytes(loader.load_peak_bytes(cfg, torch.bfloat16, 96)) in msg, msg
+    for smaller in ("int8", "int4"):  # quantising on the way in lowers the peak: offered with its size
+        assert f"--quantization {smaller} (needs {fmt_bytes(loader.load_peak_bytes(cfg, torch.float32, 96, smaller))})" in msg, msg
+    assert "more than" in msg, msg
 
 
 def test_memory_check_boundary_uses_available_bytes(model_copy, monkeypatch):
     """The real tiny checkpoint: refused with one byte too few, loaded with exactly enough."""
     cfg = ModelConfig.from_file(model_copy / "config.json")
-    need = loader.model_bytes(cfg, torch.float32, 64)
-    assert need == weight_bytes(cfg, torch.float32) + 2 * 64 * cfg.head_dim * 4
+    need = loader.load_peak_bytes(cfg, torch.float32, 64)
+    assert need == weight_bytes(cfg, torch.float32) + 2 * 64 * cfg.head_dim * 4 + loader.STAGING_BYTES
     _available(monkeypatch, need - 1)
     with pytest.raises(ModelLoadError, match=f"needs {fmt_bytes(need)} \\({need:,} bytes") as err:
         _load(model_copy)
@@ -245,7 +247,7 @@ def test_memory_check_boundary_uses_available_bytes(model_copy, monkeypatch):
 def test_memory_check_on_cuda_reads_free_device_memory(model_copy, monkeypatch):
     """On CUDA the free memory comes from torch.cuda.mem_get_info (faked: no GPU needed)."""
     cfg = ModelConfig.from_file(model_copy / "config.json")
-    need = loader.model_bytes(cfg, torch.bfloat16, 64)
+    need = loader.load_peak_bytes(cfg, torch.bfloat16, 64)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (need // 2, 80 * 2**30))
     with pytest.raises(ModelLoadError) as err:
         loader.check_weights_fit(cfg, torch.bfloat16, "cuda:0", 64, model_copy)
