@@ -68,9 +68,11 @@ def _decode_crossover(model: str | None, dtype: str, quantization: str | None, c
     try:
         cfg, _ = plan.resolve_model(model)
         profile = hw_probe.probe("cuda:0" if torch.cuda.is_available() else "cpu")
-        torch_dtype = plan._resolve_dtype(dtype, cfg, profile)
-        dev = plan.this_device(profile, torch_dtype, quantization)
-        return plan.crossover_batch(plan.ModelShape.of(cfg, torch_dtype, quantization, group_size), dev, context)
+        req = plan.PlanRequest(model=model, dtype=dtype, quantization=quantization, group_size=group_size)
+        f = plan.engine_formats(req, cfg, profile.device, 1, profile)  # as the engine resolves them
+        dev = plan.this_device(profile, f.dtype, f.quantization)
+        return plan.crossover_batch(plan.ModelShape.of(cfg, f.dtype, f.quantization, group_size, f.kv_dtype), dev,
+                                    context)
     except (StrataError, ValueError, OSError) as e:  # the verdict still stands without it
         logger.info("no decode crossover for the serve verdict: %s", e)
         return None

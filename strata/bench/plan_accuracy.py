@@ -1,13 +1,24 @@
 """`strata bench plan-accuracy`: the planner's predictions against `strata bench latency`, measured now.
 
-For each model (random weights, fp32 by default): re-measure this machine (`strata hw --refresh`
+For each model (random weights, fp32 by default; a shape's checkpoint is written once by
+demo/random_models.py before anything is timed): re-measure this machine (`strata hw --refresh`
 and the step-overhead calibration: the DRAM bandwidth of a shared VM moves within minutes, so the
 prediction must see the machine the measurement sees), build `strata plan` for `this`, then run
-`strata bench latency` for the three cases and print every predicted/measured pair:
+`strata bench latency` for each case and print every predicted/measured pair (`--list` lists the
+models and cases; `--case` picks cases, default the first three):
 
-  batch-1 decode tok/s   128-token prompt, 128 output tokens   (target: within 10%)
-  512-token prefill ms   batch 1, 8 output tokens              (target: within 10%)
-  batch-16 decode tok/s  128-token prompt, 64 output tokens    (target: within 20%)
+  batch-1      batch-1 decode tok/s     128-token prompt, 128 output tokens   (target: within 10%)
+  prefill-512  512-token prefill ms     batch 1, 8 output tokens              (target: within 10%)
+  batch-16     batch-16 decode tok/s    128-token prompt, 64 output tokens    (target: within 20%)
+  depth-4k     depth-4k decode tok/s    batch 1, 4096-token prompt, 64 out    (target: within 10%)
+  depth-16k    depth-16k decode tok/s   batch 1, 16384-token prompt, 64 out   (target: within 10%)
+
+The depth pairs check the KV-cache read of the decode price (plan.py: weights + KV bytes at the
+context depth, or the attention compute where that is slower); their children run no warm-up (it
+would prefill the long prompt once more; the decode step is warmed by the engine). A case longer
+than the model's max_position_embeddings is skipped (said so). `--model llama-3.2-3b` (or any
+shape: demo/shapes.py) plans and measures the bf16 3B checkpoint; with `--dtype auto` both runs
+take what the engine picks here.
 
 `--quantization bf16|int8|int4` checks the other weight paths the same way (bf16 weights with fp32
 compute; int8/int4 with their VNNI integer kernels where the CPU has them).
@@ -45,6 +56,8 @@ from pathlib import Path
 
 from strata.bench.common import write_json
 from strata.config import engine_default
+from strata.demo.random_models import random_model_path
+from strata.engine.args import FLAGS
 from strata.errors import ConfigError
 from strata.hardware.measure import CPU_LINEAR_SHAPE, quant_gemv_case
 from strata.kernels.linear import linear
@@ -75,37 +88,66 @@ CHILD_REPEATS = 1
 # memory), which biased every "after" re-timing slow.
 SETTLE_S = 4.0
 
-# (case, batch, input_len, output_len, target relative error)
-CASES = [
-    ("batch-1 decode", 1, 128, 128, 0.10),
-    ("512-token prefill", 1, 512, 8, 0.10),
-    ("batch-16 decode", 16, 128, 64, 0.20),
-]
+
+
+@dataclass(frozen=True)
+class Case:
+    key: str  # --case
+    label: str
+    batch: int
+    input_len: int
+    output_len: int
+    target: float  # relative error
+    warmup: int = 1  # the child's untimed runs (a depth case's would prefill its long prompt again)
+
+    @property
+    def prefill(self) -> bool:
+        return self.key.startswith("prefill")
+
+
+CASES = (
+    Case("batch-1", "batch-1 decode", 1, 128, 128, 0.10),
+    Case("prefill-512", "512-token prefill", 1, 512, 8, 0.10),
+    Case("batch-16", "batch-16 decode", 16, 128, 64, 0.20),
+    Case("depth-4k", "depth-4k decode", 1, 4096, 64, 0.10, warmup=0),
+    Case("depth-16k", "depth-16k decode", 1, 16384, 64, 0.10, warmup=0),
+)
+BY_KEY = {c.key: c for c in CASES}
+DEFAULT_CASES = ("batch-1", "prefill-512", "batch-16")  # the short run
+DEFAULT_MODELS = ("smol-135m", "qwen-0.5b")
+MODELS = DEFAULT_MODELS + ("llama-3.2-3b",)  # listed; any shape or HF directory is accepted
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", action="append", default=None,
-                   help="random shape (smol-135m, qwen-0.5b, tiny) or HF directory; repeatable "
-                        "(default: smol-135m and qwen-0.5b)")
-    p.add_argument("--dtype", default="float32", help="dtype of both runs")
+                   help=f"random shape ({', '.join(MODELS)}, tiny, ...) or HF directory; repeatable "
+                        f"(default: {' and '.join(DEFAULT_MODELS)})")
+    p.add_argument("--case", action="append", default=None, choices=list(BY_KEY),
+                   help=f"a case to measure; repeatable (default: {', '.join(DEFAULT_CASES)}; see --list)")
+    p.add_argument("--list", action="store_true", help="list the models and cases, measure nothing")
+    p.add_argument("--dtype", default="float32", help="dtype of both runs (auto: what the engine picks here)")
     p.add_argument("--quantization", default=None, choices=["bf16", "int8", "int4"],
                    help="the weight path to check (default: the dtype's own weights)")
+    kv = next(f for f in FLAGS if f.field == "kv_cache_dtype")  # the engine's flag
+    p.add_argument(kv.option, dest=kv.field, default=engine_default(kv.field), choices=kv.choices,
+                   help="KV cache storage of both runs (default auto: the model's dtype)")
     p.add_argument("--rounds", type=int, default=ROUNDS,
                    help=f"stable rounds (re-time, measure, re-time) per pair; the median-error one is "
                         f"reported (default {ROUNDS}; at most twice as many are run)")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the pairs as JSON")
 
 
-def _measure(model: str, dtype: str, quantization: str | None, batch: int, input_len: int,
-             output_len: int) -> dict:
+def _measure(model: str, args: argparse.Namespace, case: Case) -> dict:
     """One `strata bench latency` run in a child process (its own memory, as a user would run it)."""
     source = ["--random-model", model] if not Path(model).exists() else ["--model", model]
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "latency.json"
-        cmd = [sys.executable, "-m", "strata", "bench", "latency", *source, "--dtype", dtype,
-               "--batch", str(batch), "--input-len", str(input_len), "--output-len", str(output_len),
+        cmd = [sys.executable, "-m", "strata", "bench", "latency", *source, "--dtype", args.dtype,
+               "--batch", str(case.batch), "--input-len", str(case.input_len),
+               "--output-len", str(case.output_len), "--warmup", str(case.warmup),
                "--repeats", str(CHILD_REPEATS), "--json", str(out),
-               *(["--quantization", quantization] if quantization else [])]
+               *(["--quantization", args.quantization] if args.quantization else []),
+               *(["--kv-cache-dtype", args.kv_cache_dtype] if args.kv_cache_dtype != "auto" else [])]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
         time.sleep(SETTLE_S)
         data = json.loads(out.read_text())
@@ -138,16 +180,15 @@ def _stream_now(dtype: str, quantization: str | None, seconds: float = 1.0) -> f
     return statistics.median(rates)
 
 
-def _measure_with_drift(plan, model: str, args: argparse.Namespace, batch: int, n_in: int, n_out: int,
-                        prefill_case: bool):
+def _measure_with_drift(plan, model: str, args: argparse.Namespace, case: Case):
     """(measured, None, GEMV GB/s, drift of the rate): the run with the weight-streaming rate re-measured just before
     and after (the mean), for predictions from the rates (no decode probe) and for prefill."""
     cpu = plan.device.kind == "cpu"  # the drift re-measurement is a CPU GEMV
-    before = _stream_now(plan.dtype, args.quantization) if cpu else plan.device.stream_gbs
-    got = _measure(model, args.dtype, args.quantization, batch, n_in, n_out)
-    after = _stream_now(plan.dtype, args.quantization) if cpu else before
+    before = _stream_now(plan.dtype, plan.quantization) if cpu else plan.device.stream_gbs
+    got = _measure(model, args, case)
+    after = _stream_now(plan.dtype, plan.quantization) if cpu else before
     stream, drift = (before + after) / 2, _drift(before, after)
-    if prefill_case:  # compute-bound: the plan's own figures
+    if case.prefill:  # compute-bound: the plan's own figures
         stream = plan.device.stream_gbs
     return got, None, stream, drift
 
@@ -156,7 +197,7 @@ def _probe_model(plan, cfg, args: argparse.Namespace):
     """The plan's probe model (decode_probe.py; built once per process, so re-timing is cheap)."""
     import torch
 
-    return decode_probe(cfg, getattr(torch, plan.dtype), args.quantization, engine_default("quantization_group_size"),
+    return decode_probe(cfg, getattr(torch, plan.dtype), plan.quantization, engine_default("quantization_group_size"),
                         plan.device.torch_device or "cpu")
 
 
@@ -173,8 +214,9 @@ def _mean_times(a, b):
                                head_s=tuple((x + y) / 2 for x, y in zip(a.head_s, b.head_s)))
 
 
-def _predict(model: str, dtype: str, quantization: str | None):
-    req = PlanRequest(model=model, dtype=dtype, quantization=quantization, batch=16, input_len=512, context=192, max_model_len=2048,
+def _predict(model: str, args: argparse.Namespace):
+    req = PlanRequest(model=model, dtype=args.dtype, quantization=args.quantization,
+                      kv_cache_dtype=args.kv_cache_dtype, batch=16, input_len=512, context=192, max_model_len=2048,
                       refresh=True)
     return build_plan(req)
 
@@ -190,6 +232,7 @@ class Round:
     unstable: list[str]
     layer_ms: float | None
     stream: float
+    mem_gbs: float | None = None  # the KV read's bandwidth the decode price used
 
     @property
     def error(self) -> float:
@@ -207,37 +250,40 @@ def _drift(a: float, b: float) -> float:
     return abs(a - b) / max(a, b) if max(a, b) > 0 else 0.0
 
 
-def _round(plan, cfg, shape, model: str, args: argparse.Namespace, batch: int, n_in: int, n_out: int,
-           prefill_case: bool) -> Round:
+def _round(plan, cfg, shape, model: str, args: argparse.Namespace, case: Case) -> Round:
     """Re-time, measure (one `strata bench latency` child), re-time, and predict from the mean."""
-    layer_ms = None
-    if prefill_case and plan.decode_probe is not None and plan.prefill_layer is not None:
+    batch, n_in, n_out = case.batch, case.input_len, case.output_len
+    layer_ms, mem_scale = None, 1.0
+    if case.prefill and plan.decode_probe is not None and plan.prefill_layer is not None:
         # the probe's model timed over the prompt just before and after, as for decode
         before = _prefill_layer_now(plan, cfg, args)
-        got = _measure(model, args.dtype, args.quantization, batch, n_in, n_out)
+        got = _measure(model, args, case)
         after = _prefill_layer_now(plan, cfg, args)
         now, drift = (before + after) / 2, _drift(before, after)
         layer_ms = now * 1e3
         prefill_s = prefill(shape, plan.device, n_in, engine_default("max_num_batched_tokens"), 1,
                             plan.overhead, plan.prefill_layer.scaled(now)).total_s
         probe, stream = None, plan.device.stream_gbs
-    elif prefill_case or plan.decode_probe is None:
-        got, probe, stream, drift = _measure_with_drift(plan, model, args, batch, n_in, n_out, prefill_case)
+    elif case.prefill or plan.decode_probe is None:
+        got, probe, stream, drift = _measure_with_drift(plan, model, args, case)
         prefill_s = plan.prefill.total_s
+        mem_scale = stream / plan.device.stream_gbs
     else:  # the model's layers timed again just before and just after the run, averaged
         before = _retime(plan, cfg, args, batch)
-        got = _measure(model, args.dtype, args.quantization, batch, n_in, n_out)
+        got = _measure(model, args, case)
         after = _retime(plan, cfg, args, batch)
         probe, stream = _mean_times(before, after), plan.device.stream_gbs
         drift = _drift(sum(before.at(batch)), sum(after.at(batch)))
+        # the KV beyond the probe's context is read at the memory bandwidth the plan measured, moved
+        # as far as the re-timed layers (weight reads, mostly) moved since
+        mem_scale = sum(plan.decode_probe.at(batch)) / sum(probe.at(batch))
     unstable = list(got.get("unstable", []))
-    if prefill_case:
+    if case.prefill:
         return Round(prefill_s * 1e3, got["prefill_s"] * 1e3, drift, unstable, layer_ms, stream)
-    scale = stream / plan.device.stream_gbs
-    dev = dataclasses.replace(plan.device, stream_gbs=stream, mem_gbs=plan.device.mem_gbs * scale)
+    dev = dataclasses.replace(plan.device, stream_gbs=stream, mem_gbs=plan.device.mem_gbs * mem_scale)
     step = decode_step(shape, dev, batch, n_in + n_out // 2, 1, plan.overhead, probe)
     layer_ms = probe.at(batch)[0] * 1e3 if probe is not None else None
-    return Round(step.tokens_per_s, got["decode_tokens_per_s"], drift, unstable, layer_ms, stream)
+    return Round(step.tokens_per_s, got["decode_tokens_per_s"], drift, unstable, layer_ms, stream, dev.mem_gbs)
 
 
 def _rounds(run, wanted: int, label: str) -> tuple[Round, list[Round]]:
@@ -251,33 +297,54 @@ def _rounds(run, wanted: int, label: str) -> tuple[Round, list[Round]]:
     return pool[(len(pool) - 1) // 2], done
 
 
+def _list() -> int:
+    print("models (repeat --model; default " + ", ".join(DEFAULT_MODELS) + "): " + ", ".join(MODELS)
+          + ", or any shape of demo/shapes.py or an HF directory")
+    print_table(["case", "what", "batch", "prompt", "output", "target", "default"],
+                [[c.key, c.label, c.batch, c.input_len, c.output_len, f"±{c.target:.0%}",
+                  "yes" if c.key in DEFAULT_CASES else "no"] for c in CASES])
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.list:
+        return _list()
     if args.rounds < 1:
         raise ConfigError(f"--rounds {args.rounds}: must be at least 1")
-    models = args.model or ["smol-135m", "qwen-0.5b"]
+    models = args.model or list(DEFAULT_MODELS)
+    cases = [BY_KEY[k] for k in dict.fromkeys(args.case or DEFAULT_CASES)]
     rows, pairs = [], []
     for model in models:
-        print(f"{model}: measuring this machine and planning ...", flush=True)
-        plan = _predict(model, args.dtype, args.quantization)
         cfg, _ = resolve_model(model)
+        fitting = [c for c in cases if c.input_len + c.output_len <= cfg.max_position_embeddings]
+        for c in cases:
+            if c not in fitting:
+                print(f"{model}: {c.key} skipped ({c.input_len} + {c.output_len} tokens exceed its "
+                      f"max_position_embeddings {cfg.max_position_embeddings})", flush=True)
+        if not fitting:
+            continue
+        if not Path(model).exists():
+            random_model_path(model)  # the checkpoint written once (cached), before anything is timed
+        print(f"{model}: measuring this machine and planning ...", flush=True)
+        plan = _predict(model, args)
         import torch
 
-        shape = ModelShape.of(cfg, getattr(torch, plan.dtype), args.quantization,
-                              engine_default("quantization_group_size"))
-        for case, batch, n_in, n_out, target in CASES:
-            prefill_case = case.endswith("prefill")
-            run = functools.partial(_round, plan, cfg, shape, model, args, batch, n_in, n_out, prefill_case)
-            r, done = _rounds(run, args.rounds, f"{model}: strata bench latency, {case}")
+        shape = ModelShape.of(cfg, getattr(torch, plan.dtype), plan.quantization,
+                              engine_default("quantization_group_size"), getattr(torch, plan.kv_cache_dtype))
+        for case in fitting:
+            run = functools.partial(_round, plan, cfg, shape, model, args, case)
+            r, done = _rounds(run, args.rounds, f"{model}: strata bench latency, {case.label}")
             stable = sum(x.stable for x in done)
             errors = [x.error for x in done]
-            ok, unit = abs(r.error) <= target, "ms" if prefill_case else "tok/s"
-            pairs.append(dict(model=model, case=case, unit=unit,
-                              predicted=r.predicted, measured=r.measured, error=r.error, target=target, ok=ok,
-                              stream_gbs=r.stream, probe_layer_ms=r.layer_ms, stable_rounds=stable,
+            ok, unit = abs(r.error) <= case.target, "ms" if case.prefill else "tok/s"
+            pairs.append(dict(model=model, case=case.label, key=case.key, input_len=case.input_len, unit=unit,
+                              predicted=r.predicted, measured=r.measured, error=r.error, target=case.target, ok=ok,
+                              stream_gbs=r.stream, mem_gbs=r.mem_gbs, probe_layer_ms=r.layer_ms,
+                              stable_rounds=stable,
                               rounds=[dict(predicted=x.predicted, measured=x.measured, error=x.error,
                                            drift=x.drift, unstable=x.unstable, stable=x.stable) for x in done]))
-            rows.append([model, case, unit, r.predicted, r.measured,
-                         f"{r.error:+.1%}", f"±{target:.0%}", "yes" if ok else "NO",
+            rows.append([model, case.label, unit, r.predicted, r.measured,
+                         f"{r.error:+.1%}", f"±{case.target:.0%}", "yes" if ok else "NO",
                          f"{stable}/{len(done)}", f"{min(errors):+.0%}..{max(errors):+.0%}",
                          "-" if r.layer_ms is None else r.layer_ms, r.stream])
         forget()  # this model's probe layers: freed before the next model's
@@ -286,9 +353,11 @@ def run(args: argparse.Namespace) -> int:
                  "all rounds", "probe ms/layer", "GEMV GB/s"], rows)
     held = sum(p["ok"] for p in pairs)
     path = args.dtype + (f" + {args.quantization} weights" if args.quantization else "")
+    if args.kv_cache_dtype != "auto":
+        path += f", {args.kv_cache_dtype} KV cache"
     print(f"\n{held}/{len(pairs)} pairs within target ({path}; predictions from `strata plan --hardware this`; "
           f"each pair the median-error round of those whose re-timings before and after agreed within "
           f"{STABLE_DRIFT:.0%})")
-    write_json(args.json, {"dtype": args.dtype, "quantization": args.quantization, "rounds": args.rounds,
-                           "pairs": pairs})
+    write_json(args.json, {"dtype": args.dtype, "quantization": args.quantization,
+                           "kv_cache_dtype": args.kv_cache_dtype, "rounds": args.rounds, "pairs": pairs})
     return 0

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from strata.config import engine_default, parse_bytes
+from strata.engine.args import FLAGS
 from strata.planner import plan as plan_mod
 from strata.planner.plan import PlanRequest, build_plan
 from strata.planner.plan_report import format_html, format_text
@@ -22,6 +23,7 @@ EPILOG = """examples:
   strata plan --model smol-135m --hardware this --dtype float32
   strata plan --model ./Llama-3-8B --hardware H100x8 --max-model-len 8192 --batch 256 --price-per-hour 24
   strata plan --model ./qwen/config.json --hardware L4 --quantization int4 --html plan.html
+  strata plan --model llama-3.2-3b --hardware this --quantization bf16 --kv-cache-dtype bfloat16
   strata plan --model qwen-0.5b --hardware this --dtype float32 --input-len 512 --context 192 --batch 16
   strata plan --train --model smol-135m --seq-len 1024 --micro-batch-size 8 --activation-checkpointing full
   strata plan --train --model demo --seq-len 128 --micro-batch-size 4 --measure   # predicted vs a real run
@@ -55,7 +57,8 @@ def run(args: argparse.Namespace) -> int:
         return cmd_train_plan(args)
     req = PlanRequest(
         model=args.model, hardware=args.hardware, dtype=args.dtype, quantization=args.quantization,
-        group_size=args.quantization_group_size, max_model_len=args.max_model_len, batch=args.batch,
+        group_size=args.quantization_group_size, kv_cache_dtype=args.kv_cache_dtype,
+        max_model_len=args.max_model_len, batch=args.batch,
         input_len=args.input_len, context=args.context,
         kv_cache_memory=parse_bytes(args.kv_cache_memory, "--kv-cache-memory") if args.kv_cache_memory else None,
         memory_fraction=args.memory_fraction, max_num_seqs=args.max_num_seqs, block_size=args.block_size,
@@ -78,11 +81,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "qwen-0.5b, tiny)")
     p.add_argument("--hardware", default="this", help="NAME, NAMExN (e.g. H100x8) or 'this' (default)")
     p.add_argument("--dtype", default=engine_default("dtype"),
-                   help="auto | float32 | bfloat16 | float16 (default auto, as the engine)")
+                   help="auto | float32 | bfloat16 | float16 (default auto: what the engine would pick here)")
     p.add_argument("--quantization", default=None, choices=["int8", "int4", "bf16"],
                    help="weight-only int8 / int4, or bf16 weights with fp32 compute (CPU)")
     p.add_argument("--quantization-group-size", type=int, default=engine_default("quantization_group_size"),
                    choices=[32, 64, 128], help="int4: input columns sharing one scale")
+    kv = next(f for f in FLAGS if f.field == "kv_cache_dtype")  # the engine's flag, its choices and help
+    p.add_argument(kv.option, dest=kv.field, default=engine_default(kv.field), choices=kv.choices,
+                   help=kv.help_text())
     p.add_argument("--max-model-len", type=int, default=None, help="L (default: the model's max positions)")
     p.add_argument("--batch", type=int, default=64, help="largest decode batch B (default 64)")
     p.add_argument("--input-len", type=int, default=None, help="prefill prompt tokens (default L)")

@@ -47,12 +47,14 @@ class ModelShape:
     p_layers: int  # dense projections of every layer
     stream_bytes: int  # weight bytes read per decode step
     weight_bytes: int  # weight bytes held
-    kv_per_token: int
+    kv_per_token: int  # KV bytes one cached token adds (memory/planner.kv_bytes_per_token, the cache's dtype)
     attn_flops_per_pos: int  # 4 * layers * heads * head_dim: one query against one cached position
     act_itemsize: int
 
     @classmethod
-    def of(cls, cfg: ModelConfig, dtype: torch.dtype, quantization: str | None, group: int) -> ModelShape:
+    def of(cls, cfg: ModelConfig, dtype: torch.dtype, quantization: str | None, group: int,
+           kv_dtype: torch.dtype | None = None) -> ModelShape:
+        """kv_dtype: the KV cache's storage dtype when it is not `dtype` (engine/build.kv_dtype)."""
         h, d = cfg.hidden_size, cfg.head_dim
         per_layer = (h * d * (cfg.num_heads + 2 * cfg.num_kv_heads) + cfg.num_heads * d * h
                      + 3 * h * cfg.intermediate_size)
@@ -62,7 +64,7 @@ class ModelShape:
         return cls(
             cfg=cfg, params=cfg.num_params(), p_lin=p_layers + cfg.vocab_size * h, p_layers=p_layers,
             stream_bytes=held - untied_embedding, weight_bytes=held,
-            kv_per_token=kv_bytes_per_token(cfg, dtype),
+            kv_per_token=kv_bytes_per_token(cfg, kv_dtype or dtype),
             attn_flops_per_pos=4 * cfg.num_layers * cfg.num_heads * d, act_itemsize=dtype.itemsize,
         )
 
@@ -83,6 +85,9 @@ class Device:
     few_rows_gflops: float
     gemm_gflops: float
     attn_gflops: float = 0.0  # prefill attention (causal SDPA); 0: the GEMM rate
+    # decode attention (a few query rows per KV head against the cached keys and values): the few-row
+    # matmul rate in the activations' dtype; 0: the batch's kernel rate
+    decode_attn_gflops: float = 0.0
     link: str | None = None
     link_gbs: float = 0.0  # per direction, per device
     alpha_s: float = 0.0
@@ -93,6 +98,9 @@ class Device:
 
     def rate(self, rows: int) -> float:
         return (self.few_rows_gflops if rows <= self.few_rows else self.gemm_gflops) * 1e9
+
+    def decode_attn_rate(self, rows: int) -> float:
+        return self.decode_attn_gflops * 1e9 if self.decode_attn_gflops > 0 else self.rate(rows)
 
 
 def spec_device(spec: AcceleratorSpec, count: int, dtype: torch.dtype, alpha_us: float | None) -> Device:
@@ -110,7 +118,8 @@ def spec_device(spec: AcceleratorSpec, count: int, dtype: torch.dtype, alpha_us:
     return Device(
         name=spec.name, source=spec.source, kind="gpu", count=count, memory_bytes=spec.memory_bytes,
         available_bytes=None, stream_gbs=spec.mem_bandwidth_gbs, mem_gbs=spec.mem_bandwidth_gbs,
-        few_rows=0, few_rows_gflops=peak, gemm_gflops=peak, attn_gflops=peak, link=link, link_gbs=link_gbs,
+        few_rows=0, few_rows_gflops=peak, gemm_gflops=peak, attn_gflops=peak, decode_attn_gflops=peak,
+        link=link, link_gbs=link_gbs,
         alpha_s=alpha * 1e-6, notes=tuple(notes),
     )
 
@@ -158,6 +167,7 @@ def this_device(profile, dtype: torch.dtype, quantization: str | None, count: in
             notes.append("Strata has no GPU quantised kernels: it dequantises per call; predicted as fused")
     if not attn:
         notes.append("no measured attention rate for this dtype: prefill attention at the GEMM rate")
+    decode_attn = profile.matmul_gflops.get(dname, 0.0)  # in the activations' dtype (fp32 under bf16 storage)
     if cpu:
         import psutil
 
@@ -168,7 +178,8 @@ def this_device(profile, dtype: torch.dtype, quantization: str | None, count: in
         name=f"this ({profile.name})", source="measured (strata hw)", kind="cpu" if cpu else "gpu", count=1,
         memory_bytes=profile.memory_bytes, available_bytes=available, stream_gbs=stream,
         mem_gbs=profile.mem_bandwidth_gbs, few_rows=MATMUL_BATCH if cpu else 0, few_rows_gflops=few,
-        gemm_gflops=gemm, attn_gflops=attn, measured=True, torch_device=profile.device, notes=tuple(notes),
+        gemm_gflops=gemm, attn_gflops=attn, decode_attn_gflops=decode_attn, measured=True,
+        torch_device=profile.device, notes=tuple(notes),
     )
     return measured_tp(dev, profile.comm(), count)
 
@@ -214,7 +225,8 @@ def measured_tp(dev: Device, comm: CommModel | None, count: int) -> Device:
         available_bytes=None if dev.available_bytes is None else int(dev.available_bytes * scale),
         stream_gbs=dev.stream_gbs * scale, mem_gbs=dev.mem_gbs * scale,
         few_rows_gflops=dev.few_rows_gflops * scale, gemm_gflops=dev.gemm_gflops * scale,
-        attn_gflops=dev.attn_gflops * scale, link=f"measured {'/'.join(f.transport for f in fits)}",
+        attn_gflops=dev.attn_gflops * scale, decode_attn_gflops=dev.decode_attn_gflops * scale,
+        link=f"measured {'/'.join(f.transport for f in fits)}",
         link_gbs=best.beta_bps / 1e9, alpha_s=best.alpha_s, notes=dev.notes + tuple(notes))
 
 
@@ -260,6 +272,9 @@ class Step:
     overhead_s: float
     comm_s: float
     bound: str
+    kv_bytes: float = 0.0  # of `bytes`: the KV cache read (batch x context x KV bytes per token)
+    attn_flops: float = 0.0  # of `flops`: attention over the cached context
+    attention: str = ""  # what prices the attention: "KV read" (memory) | "attention compute"
 
     @property
     def total_s(self) -> float:
@@ -280,30 +295,41 @@ def _kv_split(cfg: ModelConfig, tp: int) -> int:
 
 def decode_step(shape: ModelShape, dev: Device, batch: int, context: int, tp: int = 1,
                 overhead=None, probe=None) -> Step:
-    """One decode step of `batch` sequences attending over `context` tokens. `probe`
-    (decode_probe.DecodeTimes, `this` device, tp 1): the model's own layers and head timed at
-    their shapes replace the rate formulas; the KV bytes beyond the probe's context are added at
-    the memory bandwidth."""
+    """One decode step of `batch` sequences attending over `context` tokens. The step reads the
+    weights once and every sequence's KV cache at its depth: kv = batch x context x KV bytes per
+    token (2 x layers x kv_heads x head_dim x the cache dtype's bytes, memory/planner.py), priced
+    max(kv / memory bandwidth, attention FLOPs / the decode attention rate): the read, or the
+    attention compute where that dominates. `probe` (decode_probe.DecodeTimes, `this` device,
+    tp 1): the model's own layers and head timed at their shapes (attention at the probe's
+    context included) replace the rate formulas; the attention beyond the probe's context is
+    added at that price."""
     cfg = shape.cfg
     w = shape.stream_bytes / tp
-    kv = batch * context * shape.kv_per_token / _kv_split(cfg, tp)
+    per_pos = batch * shape.kv_per_token / _kv_split(cfg, tp)
+    kv = per_pos * context
     f_lin = 2 * batch * shape.p_lin / tp
     f_att = batch * context * shape.attn_flops_per_pos / tp
     stream, mem = dev.stream_gbs * 1e9, dev.mem_gbs * 1e9
     mem_s = w / stream + kv / mem
     compute_s = (f_lin + f_att) / dev.rate(batch)
     roofline = max(mem_s, compute_s)
+
+    attn_rate = dev.decode_attn_rate(batch)
+
+    def attention_s(ctx: float) -> float:  # the KV read or the attention FLOPs at depth ctx, the slower
+        return max(per_pos * ctx / mem, batch * ctx * shape.attn_flops_per_pos / tp / attn_rate)
+
+    attention = "KV read" if kv / mem >= f_att / attn_rate else "attention compute"
     if probe is not None and tp == 1:
         layer_s, head_s = probe.at(batch)
-        extra_kv = batch * (context - probe.context) * shape.kv_per_token
-        kernel = max(0.0, cfg.num_layers * layer_s + head_s + extra_kv / mem)
+        kernel = max(0.0, cfg.num_layers * layer_s + head_s + attention_s(context) - attention_s(probe.context))
     elif dev.few_rows and batch <= dev.few_rows:  # measured kernel line between 1 and few_rows rows
         t1 = w / stream
         tn = 2 * dev.few_rows * shape.p_lin / tp / dev.rate(dev.few_rows)
         lin = t1 + (batch - 1) * max(0.0, tn - t1) / max(1, dev.few_rows - 1)
-        kernel = lin + max(kv / mem, f_att / dev.rate(batch))
+        kernel = lin + attention_s(context)
     elif dev.few_rows:
-        kernel = max(w / stream, f_lin / dev.rate(batch)) + max(kv / mem, f_att / dev.rate(batch))
+        kernel = max(w / stream, f_lin / dev.rate(batch)) + attention_s(context)
     else:
         kernel = roofline
     comm = 0.0
@@ -316,7 +342,14 @@ def decode_step(shape: ModelShape, dev: Device, batch: int, context: int, tp: in
         if steps > 1:
             over = overhead.at(batch, cfg.num_layers, steps)
     return Step(batch, context, tp, w + kv, f_lin + f_att, mem_s, compute_s, roofline, kernel, over, comm,
-                "compute" if compute_s > mem_s else "memory")
+                "compute" if compute_s > mem_s else "memory", kv, f_att, attention)
+
+
+def depth_curve(shape: ModelShape, dev: Device, max_len: int, overhead=None, probe=None,
+                depths: tuple[int, ...] = (0, 4096, 16384)) -> list[Step]:
+    """Batch-1 decode at each depth (tokens already in the sequence's KV cache) below max_len,
+    and at max_len itself: the KV read grows with the depth while the weight read stays."""
+    return [decode_step(shape, dev, 1, d, 1, overhead, probe) for d in [d for d in depths if d < max_len] + [max_len]]
 
 
 @dataclass(frozen=True)

@@ -7,11 +7,18 @@ kv_cache_memory are the blocks LLMEngine allocates.
 
 Time, per device (tensor parallel degree t divides weights, FLOPs and, when the KV heads split,
 the KV cache):
-  decode step at batch b, context c:
-    bytes  = W + b*c*kv_per_token        W = weights streamed per step (an untied input
+  decode step at batch b, context (depth) c:
+    bytes  = W + KV                      W = weights streamed per step (an untied input
                                           embedding is gathered, not streamed; lm_head is)
+    KV     = b*c*kv_per_token            kv_per_token = 2*layers*kv_heads*head_dim*bytes of the KV
+                                          cache's dtype (+ its scales where it has them)
     FLOPs  = b * (2*P_lin + 4*layers*heads*head_dim*c)   P_lin = dense projections + lm_head
     roofline = max(W/stream + KV/mem, FLOPs/rate)
+  the depth curve: batch-1 decode at c = 0, 4k, 16k (those below L) and L; the weight read stays,
+  the KV read (or the attention compute, where that is slower) grows with c
+Formats: --dtype, --quantization and --kv-cache-dtype as the engine resolves them (auto on `this`:
+the engine's own rule from the measured profile, platform/cpu.resolve_weight_storage and
+engine/build.resolve_dtype; on a datasheet GPU: the checkpoint's dtype).
   prefill of p tokens (one sequence, chunks of max_num_batched_tokens):
     FLOPs  = 2*P_layers*p + 2*vocab*hidden (lm_head, last token)     at the GEMM rate
            + 2*layers*heads*head_dim*p*(p+1) (causal attention)       at the attention rate
@@ -28,7 +35,7 @@ is max(KV/mem, FLOPs/rate), and the step overhead (calibrate.py: Python, dispatc
 measured on the engine itself) is added. Those formulas are the fallback: decode on `this` is
 priced from the model's own layers built in the engine's weight format and timed for decode steps
 of 1/4/16/64 sequences (decode_probe.py: layers x per-layer time + the LM head + the KV beyond the
-probe's context at the memory bandwidth), when that fits its time and memory budget; the
+probe's context as max(KV/mem, attention FLOPs/rate)), when that fits its time and memory budget; the
 calibrated overhead is then what the engine adds around those kernels. Prefill on `this` is priced from one decoder layer of
 the model timed at its own shapes (layer_probe.py: projections, attention, and the elementwise
 work no FLOP count sees), times the layers, plus the lm_head read; the rates above are the
@@ -50,12 +57,12 @@ from typing import Any
 
 import torch
 
-from strata.config import DTYPES, engine_default
+from strata.config import DTYPES, EngineConfig, engine_default
 from strata.demo.random_models import SHAPES
+from strata.engine.build import kv_dtype, resolve_dtype
 from strata.errors import CapacityError, ConfigError
 from strata.hardware import probe as hw_probe
-from strata.hardware.probe import auto_dtype
-from strata.hardware.specs import lookup, parse_hardware
+from strata.hardware.specs import AcceleratorSpec, lookup, parse_hardware
 from strata.memory.planner import plan_memory
 from strata.model_config import ModelConfig
 from strata.planner.calibrate import step_overhead
@@ -69,6 +76,7 @@ from strata.planner.cost_model import (
     check_tp_count,
     crossover_batch,
     decode_step,
+    depth_curve,
     prefill,
     spec_device,
     this_device,
@@ -80,6 +88,7 @@ from strata.planner.layer_probe import (
     measure_prefill_layer,
     probe_seconds,
 )
+from strata.platform.cpu import resolve_weight_storage
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +107,7 @@ class PlanRequest:
     dtype: str = engine_default("dtype")
     quantization: str | None = None
     group_size: int = engine_default("quantization_group_size")
+    kv_cache_dtype: str = engine_default("kv_cache_dtype")
     max_model_len: int | None = None  # L; default the model's max_position_embeddings
     batch: int = 64  # B: decode batches 1..B
     input_len: int | None = None  # prefill prompt; default L
@@ -113,9 +123,10 @@ class PlanRequest:
 
 
 def resolve_model(spec: str) -> tuple[ModelConfig, str]:
-    """--model: an HF directory, a config.json, or a random shape name (smol-135m, ...)."""
+    """--model: an HF directory, a config.json, or a random shape name (smol-135m, ...). A shape's
+    checkpoint dtype is the one random_models writes it in: bf16 for the 1-8B shapes, fp32 else."""
     if spec in SHAPES:
-        return ModelConfig.from_dict(dict(SHAPES[spec], torch_dtype="float32"), spec), spec
+        return ModelConfig.from_dict({"torch_dtype": "float32", **SHAPES[spec]}, spec), spec
     path = Path(spec).expanduser()
     if path.is_dir():
         path = path / "config.json"
@@ -191,6 +202,8 @@ class Plan:
     steps: list[Step]
     crossover: float | None
     overhead: Any
+    depth_curve: list[Step] = field(default_factory=list)  # batch-1 decode at depths 0, 4k, 16k (< L) and L
+    kv_cache_dtype: str = ""  # the KV cache's storage dtype
     decode_probe: Any = None  # decode_probe.DecodeTimes: `this` device's decode kernels, timed
     prefill_layer: Any = None  # layer_probe.LayerTimes the prefill was priced from (`this`)
     tp_options: list[TPOption] = field(default_factory=list)
@@ -227,7 +240,7 @@ def _batches(b_max: int) -> list[int]:
     return out + [b_max]
 
 def memory_part(shape: ModelShape, dev: Device, req: PlanRequest, dtype: torch.dtype, max_len: int,
-                tp: int = 1) -> MemoryPart:
+                tp: int = 1, kv_dtype: torch.dtype | None = None) -> MemoryPart:
     """Memory per device. The KV capacity comes from planner.plan_memory with an explicit budget:
     --kv-cache-memory if given (what the engine does with it); else on `this` the engine's rule
     (memory_fraction of what is free once the weights are loaded, capped by max_num_seqs
@@ -256,7 +269,8 @@ def memory_part(shape: ModelShape, dev: Device, req: PlanRequest, dtype: torch.d
     error = None
     try:
         mp = plan_memory(plan_cfg, dtype, req.block_size, max_len, req.max_num_seqs, budget,
-                         req.memory_fraction, dev.torch_device or "cpu", req.quantization, req.group_size)
+                         req.memory_fraction, dev.torch_device or "cpu", req.quantization, req.group_size,
+                         kv_dtype)
         blocks = mp.num_blocks
     except CapacityError as e:
         blocks, error = budget // per_block if per_block else 0, str(e)
@@ -273,15 +287,46 @@ def memory_part(shape: ModelShape, dev: Device, req: PlanRequest, dtype: torch.d
     )
 
 
-def _resolve_dtype(name: str, cfg: ModelConfig, profile) -> torch.dtype:
-    name = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(name, name)
-    if name == "auto":
-        if profile is None:
-            return cfg.torch_dtype if cfg.torch_dtype in DTYPES.values() else torch.float32
-        return auto_dtype(profile.device, cfg.torch_dtype, profile)
-    if name not in DTYPES:
-        raise ConfigError(f"--dtype {name!r}: choose auto, float32, bfloat16 or float16")
-    return DTYPES[name]
+@dataclass(frozen=True)
+class Formats:
+    """What the engine would run the model in: compute dtype, weight format, KV cache dtype."""
+
+    dtype: torch.dtype
+    quantization: str | None
+    kv_dtype: torch.dtype
+    how: str  # how they were decided (a note of the plan)
+
+
+def engine_formats(req: PlanRequest, cfg: ModelConfig, device: str, count: int, profile=None,
+                   spec: AcceleratorSpec | None = None) -> Formats:
+    """--dtype / --quantization / --kv-cache-dtype resolved as the engine resolves them: EngineConfig
+    validates them for `device`; on `this` machine (its hardware `profile`) dtype auto is decided by
+    platform/cpu.resolve_weight_storage (bf16 weight storage with fp32 compute, where measured
+    faster) and engine/build.resolve_dtype (the fastest measured dtype), the cache's dtype by
+    engine/build.kv_dtype. A datasheet `spec` has no measurements: auto keeps the checkpoint's dtype
+    (float32 for a dtype the engine has no kernels for), as the engine does on a GPU, and a bf16
+    checkpoint computes in float16 where the datasheet lists no bf16 rate."""
+    config = EngineConfig(dtype=req.dtype, device=device, quantization=req.quantization,
+                          quantization_group_size=req.group_size, kv_cache_dtype=req.kv_cache_dtype,
+                          tensor_parallel_size=count)
+    ckpt = cfg.torch_dtype if cfg.torch_dtype in DTYPES.values() else torch.float32
+    if spec is None:
+        config = resolve_weight_storage(config, ckpt, profile)
+        dtype = resolve_dtype(config.dtype, config.device, ckpt, profile)
+        how = "as the engine decides on this machine (platform/cpu.resolve_weight_storage, engine/build.resolve_dtype)"
+    elif config.dtype != "auto":
+        dtype, how = DTYPES[config.dtype], "as asked"
+    else:
+        dtype = ckpt
+        if dtype == torch.bfloat16 and "bf16" not in spec.tflops:
+            dtype = torch.float16
+        how = f"auto on a GPU: the checkpoint's {str(ckpt).removeprefix('torch.')}"
+    quant = f" + {config.quantization} weights" if config.quantization else ""
+    cache = kv_dtype(config, dtype)
+    note = (f"{str(dtype).removeprefix('torch.')}{quant}, KV cache {str(cache).removeprefix('torch.')} "
+            f"(--dtype {req.dtype}" + (f" --quantization {req.quantization}" if req.quantization else "")
+            + f" --kv-cache-dtype {req.kv_cache_dtype}: {how})")
+    return Formats(dtype, config.quantization, cache, note)
 
 
 def build_plan(req: PlanRequest, profile=None, overhead=None) -> Plan:
@@ -301,13 +346,17 @@ def build_plan(req: PlanRequest, profile=None, overhead=None) -> Plan:
             if count != 1 and hw_probe.cached_comm_model(where) is None:  # refused before measuring anything
                 check_tp_count(None, count)
             profile = hw_probe.probe(where, refresh=req.refresh)
-        dtype = _resolve_dtype(req.dtype, cfg, profile)
-        dev = this_device(profile, dtype, req.quantization, count)
+        formats = engine_formats(req, cfg, profile.device, count, profile)
+        dtype, quantization = formats.dtype, formats.quantization
+        dev = this_device(profile, dtype, quantization, count)
     else:
         spec = lookup(hw_name)
-        dtype = _resolve_dtype(req.dtype, cfg, None)
+        formats = engine_formats(req, cfg, "cuda", count, spec=spec)
+        dtype, quantization = formats.dtype, formats.quantization
         dev = spec_device(spec, count, dtype, req.alpha_us)
-    shape = ModelShape.of(cfg, dtype, req.quantization, req.group_size)
+    notes.append(f"planned in {formats.how}")
+    req = dataclasses.replace(req, quantization=quantization)  # the weight format decided (auto: maybe bf16)
+    shape = ModelShape.of(cfg, dtype, quantization, req.group_size, formats.kv_dtype)
     max_len = cfg.max_model_len(req.max_model_len)
     input_len = req.input_len or max_len
     context = req.context or max_len
@@ -317,7 +366,7 @@ def build_plan(req: PlanRequest, profile=None, overhead=None) -> Plan:
         def kernel_seconds(c: ModelConfig, batch: int, ctx: int) -> float:
             # the calibration models' kernels timed as the plan times this model's: what is left
             # of their measured steps is the engine's per-step work (scheduler, runner, sampler)
-            s = ModelShape.of(c, dtype, req.quantization, req.group_size)
+            s = ModelShape.of(c, dtype, req.quantization, req.group_size, formats.kv_dtype)
             key = repr(c)
             if key not in tiny_probes:
                 tiny_probes[key] = plan_probe(c, s, dev, dtype, req.quantization, req.group_size, [])
@@ -329,7 +378,7 @@ def build_plan(req: PlanRequest, profile=None, overhead=None) -> Plan:
         notes.append("no per-step software overhead on datasheet targets (assumes CUDA graphs or equal)")
     probe = plan_probe(cfg, shape, dev, dtype, req.quantization, req.group_size, notes) if is_this else None
 
-    options = _tp_options(shape, dev, req, dtype, max_len, context, overhead, probe)  # options[0]: TP=1
+    options = _tp_options(shape, dev, req, dtype, max_len, context, overhead, probe, formats.kv_dtype)  # [0]: TP=1
     steps = [decode_step(shape, dev, b, context, 1, overhead, probe) for b in _batches(req.batch)]
     layer = None
     if is_this:
@@ -349,7 +398,9 @@ def build_plan(req: PlanRequest, profile=None, overhead=None) -> Plan:
         dtype=str(dtype).replace("torch.", ""), quantization=req.quantization, hardware=req.hardware,
         device=dev, max_model_len=max_len, input_len=input_len, context=context, memory=options[0].memory,
         prefill=pre, steps=steps, crossover=crossover_batch(shape, dev, context), overhead=overhead,
-        decode_probe=probe, prefill_layer=layer, tp_options=options, price_per_hour=req.price_per_hour, notes=notes + list(dev.notes),
+        depth_curve=depth_curve(shape, dev, max_len, overhead, probe),
+        kv_cache_dtype=str(formats.kv_dtype).removeprefix("torch."), decode_probe=probe, prefill_layer=layer,
+        tp_options=options, price_per_hour=req.price_per_hour, notes=notes + list(dev.notes),
     )
     plan.best = _best(plan)
     return plan
@@ -361,12 +412,12 @@ def _fitting(steps: list[Step], blocks: int, block_size: int) -> list[Step]:
 
 
 def _tp_options(shape: ModelShape, dev: Device, req: PlanRequest, dtype: torch.dtype, max_len: int,
-                context: int, overhead, probe=None) -> list[TPOption]:
+                context: int, overhead, probe=None, kv_dtype: torch.dtype | None = None) -> list[TPOption]:
     out = []
     tp = 1
     while tp <= dev.count:
         if dev.count % tp == 0 and shape.cfg.num_heads % tp == 0:
-            mem = memory_part(shape, dev, req, dtype, max_len, tp)
+            mem = memory_part(shape, dev, req, dtype, max_len, tp, kv_dtype)
             steps = [decode_step(shape, dev, b, context, tp, overhead, probe) for b in _batches(req.batch)]
             fit = _fitting(steps, mem.num_blocks, req.block_size) if mem.fits else []
             best = max(fit, key=lambda s: s.tokens_per_s) if fit else None

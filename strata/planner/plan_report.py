@@ -30,10 +30,11 @@ def _rates_line(p: Plan) -> str:
 
 def header(p: Plan) -> list[str]:
     q = f", {p.quantization} weights" if p.quantization else ""
+    kv = f", KV cache {p.kv_cache_dtype}" if p.kv_cache_dtype and p.kv_cache_dtype != p.dtype else ""
     count = f" x{p.device.count}" if p.device.count > 1 else ""
     return [
         f"strata plan: {p.model} ({p.architecture}, {p.params / 1e6:,.1f}M params) on {p.device.name}{count}, "
-        f"{p.dtype}{q}",
+        f"{p.dtype}{q}{kv}",
         "  " + _rates_line(p),
         f"  max_model_len L={p.max_model_len}, prefill prompt {p.input_len} tokens, decode context {p.context}",
     ]
@@ -92,6 +93,18 @@ def decode_lines(p: Plan) -> list[str]:
     return lines
 
 
+def depth_lines(p: Plan) -> list[str]:
+    """Batch-1 decode by depth: the weights read once a token, the KV read growing with the context."""
+    if not p.depth_curve:
+        return []
+    lines = ["Decode by context depth (batch 1; per token: weights + KV read at that depth)",
+             "  depth     weights read  KV read      predicted ms  tok/s    attention priced by"]
+    for s in p.depth_curve:
+        lines.append(f"  {s.context:8,d}  {fmt_bytes(s.bytes - s.kv_bytes):>11}  {fmt_bytes(s.kv_bytes):>11}  "
+                     f"{_ms(s.total_s):>12}  {s.tokens_per_s:7,.1f}  {s.attention if s.kv_bytes else '-'}")
+    return lines
+
+
 def tp_lines(p: Plan) -> list[str]:
     if p.device.count <= 1:
         return []
@@ -126,7 +139,8 @@ def cost_lines(p: Plan) -> list[str]:
 
 
 def format_text(p: Plan) -> str:
-    parts = [header(p), memory_lines(p), prefill_lines(p), decode_lines(p), tp_lines(p), cost_lines(p)]
+    parts = [header(p), memory_lines(p), prefill_lines(p), decode_lines(p), depth_lines(p), tp_lines(p),
+             cost_lines(p)]
     if p.overhead is not None and getattr(p.overhead, "measured", None):
         o = p.overhead
         parts.append([
@@ -171,6 +185,8 @@ def format_html(p: Plan) -> str:
         "<h2>Memory</h2>", memory_svg(p), pre(memory_lines(p)),
         "<h2>Roofline</h2>", roofline_svg(p), pre(prefill_lines(p)), pre(decode_lines(p)),
     ]
+    if p.depth_curve:
+        body.append(pre(depth_lines(p)))
     if p.device.count > 1:
         body += ["<h2>Tensor parallel</h2>", pre(tp_lines(p))]
     body += ["<h2>Cost</h2>", pre(cost_lines(p))]

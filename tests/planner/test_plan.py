@@ -26,6 +26,7 @@ from strata.planner.plan import (
     spec_device,
     this_device,
 )
+from strata.planner.plan_report import format_text
 
 
 def _llama(name, hidden, inter, layers, heads, kv, vocab, tied=False, arch="LlamaForCausalLM", **kw):
@@ -275,3 +276,148 @@ def test_datasheet_targets_ignore_this_machines_comm_model(tmp_path) -> None:
                                   dtype="bfloat16", max_model_len=8192, batch=8))
     assert plan.device.comm is None
     assert not any("strata bench comm" in n for n in plan.notes)
+
+
+# ---------------------------------------------------------------- the depth curve and the formats (issue 43)
+
+LONG = _llama("long-tiny", 128, 352, 2, 4, 2, 1024, tied=True, max_position_embeddings=32768,
+              torch_dtype="float32")
+
+
+def _kv_term(cfg: ModelConfig, depth: int, nbytes: int) -> int:
+    return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * depth * nbytes
+
+
+def test_depth_curve_is_monotone_and_reads_the_kv_at_each_depth(tmp_path) -> None:
+    """Datasheet: batch-1 decode at 0, 4k, 16k and L; bytes = weights + the KV term, the KV term
+    = layers x 2 x kv_heads x head_dim x depth x bytes; tok/s falls with the depth."""
+    d = PUBLIC[1][0]  # Llama-3-8B, GQA 32:8, L = 8192 here
+    cfg = _cfg(d)
+    plan = build_plan(PlanRequest(model=str(_write(tmp_path, d)), hardware="A100-80GB", dtype="bfloat16",
+                                  max_model_len=8192, batch=4))
+    curve = plan.depth_curve
+    assert [s.context for s in curve] == [0, 4096, 8192]  # 16k is beyond L
+    assert all(s.batch == 1 for s in curve)
+    rates = [s.tokens_per_s for s in curve]
+    assert rates == sorted(rates, reverse=True) and len(set(rates)) == len(rates)
+    weights = ModelShape.of(cfg, torch.bfloat16, None, 64).stream_bytes
+    for s in curve:
+        assert s.kv_bytes == _kv_term(cfg, s.context, 2)
+        assert s.bytes == weights + s.kv_bytes
+        assert s.total_s == pytest.approx(s.bytes / 2.039e12, rel=1e-6)  # memory-bound roofline
+    assert curve[-1].total_s == plan.steps[0].total_s  # depth L, batch 1 = the decode table's first row
+    text = format_text(plan)
+    assert "Decode by context depth" in text and "   4,096" in text
+    assert json.loads(json.dumps(plan.to_json()))["depth_curve"][1]["kv_bytes"] == curve[1].kv_bytes
+
+
+def test_depth_curve_on_this_machine_follows_the_kv_cache_dtype(tmp_path, cpu_profile) -> None:
+    """`this` (the decode probe prices the layers at its own context; the KV beyond it is added):
+    the curve falls with the depth, its KV term is the formula's in the cache's dtype, and a bf16
+    cache halves it."""
+    path = _write(tmp_path, LONG)
+    cfg = _cfg(LONG)
+    plans = {kv: build_plan(PlanRequest(model=str(path), hardware="this", dtype="float32", kv_cache_dtype=kv,
+                                        max_model_len=20000, input_len=64, context=256, batch=2,
+                                        kv_cache_memory=2**26),
+                            profile=cpu_profile, overhead=StepOverhead.zero())
+             for kv in ("auto", "bfloat16")}
+    for kv, nbytes in (("auto", 4), ("bfloat16", 2)):
+        plan = plans[kv]
+        assert plan.decode_probe is not None and plan.kv_cache_dtype == ("float32" if kv == "auto" else kv)
+        assert plan.memory.kv_per_token == _kv_term(cfg, 1, nbytes)
+        curve = plan.depth_curve
+        assert [s.context for s in curve] == [0, 4096, 16384, 20000]
+        assert [s.kv_bytes for s in curve] == [_kv_term(cfg, s.context, nbytes) for s in curve]
+        rates = [s.tokens_per_s for s in curve]
+        assert rates == sorted(rates, reverse=True) and len(set(rates)) == len(rates)
+    # 12k more tokens of depth: the fp32 cache's read is the slower (memory-bound); the bf16 cache
+    # reads half the bytes, and the attention FLOPs at the decode attention rate are then slower
+    grow = {kv: p.depth_curve[2].kernel_s - p.depth_curve[1].kernel_s for kv, p in plans.items()}
+    dev = plans["auto"].device
+    flops_s = (16384 - 4096) * 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim / (dev.decode_attn_gflops * 1e9)
+    assert dev.decode_attn_gflops == cpu_profile.matmul_gflops["float32"]
+    read_s = _kv_term(cfg, 16384 - 4096, 4) / (dev.mem_gbs * 1e9)
+    assert read_s > flops_s > read_s / 2
+    assert grow["auto"] == pytest.approx(read_s) and grow["bfloat16"] == pytest.approx(flops_s)
+    assert [s.attention for s in plans["bfloat16"].depth_curve[1:]] == ["attention compute"] * 3
+    assert "KV cache bfloat16" in format_text(plans["bfloat16"])
+
+
+def test_attention_compute_prices_the_depth_where_it_is_slower(cpu_profile) -> None:
+    """Full MHA on a slow decode-attention rate: the attention FLOPs, not the KV read, set the price."""
+    shape = ModelShape.of(_cfg(LLAMA2_7B), torch.float32, None, 64)
+    dev = dataclasses.replace(this_device(cpu_profile, torch.float32, None), decode_attn_gflops=1.0)
+    s = decode_step(shape, dev, 1, 4096)
+    att = 4096 * shape.attn_flops_per_pos / 1e9
+    assert s.attention == "attention compute" and s.attn_flops == 4096 * shape.attn_flops_per_pos
+    assert s.kernel_s == pytest.approx(shape.stream_bytes / 32e9 + att)
+    fast = dataclasses.replace(dev, decode_attn_gflops=1e6)
+    assert decode_step(shape, fast, 1, 4096).attention == "KV read"
+
+
+def test_resolve_model_keeps_a_shapes_checkpoint_dtype() -> None:
+    assert resolve_model("llama-3.2-3b")[0].torch_dtype == torch.bfloat16  # random_models writes bf16 shards
+    assert resolve_model("smol-135m")[0].torch_dtype == torch.float32  # one fp32 file
+
+
+def test_plan_honours_dtype_and_quantization() -> None:
+    """A datasheet target plans what was asked: auto = the checkpoint's bf16; float32 doubles the
+    weight bytes, int8 / int4 shrink them; the KV follows the compute dtype."""
+    cfg = resolve_model("llama-3.2-1b")[0]
+
+    def plan(**kw):
+        return build_plan(PlanRequest(model="llama-3.2-1b", hardware="H100", max_model_len=4096, batch=2, **kw))
+
+    auto, fp32 = plan(), plan(dtype="float32")
+    int8, int4 = plan(quantization="int8"), plan(quantization="int4")
+    assert auto.dtype == "bfloat16" and fp32.dtype == "float32"
+    assert auto.memory.weight_bytes == cfg.num_params() * 2 == weight_bytes(cfg, torch.bfloat16)
+    assert fp32.memory.weight_bytes == 2 * auto.memory.weight_bytes
+    assert int8.quantization == "int8" and int8.memory.weight_bytes < 0.6 * auto.memory.weight_bytes
+    assert int4.memory.weight_bytes < 0.6 * int8.memory.weight_bytes
+    assert fp32.memory.kv_per_token == 2 * auto.memory.kv_per_token == kv_bytes_per_token(cfg, torch.float32)
+    assert fp32.depth_curve[0].total_s > auto.depth_curve[0].total_s > int8.depth_curve[0].total_s
+    assert any("planned in bfloat16" in n for n in auto.notes)
+    # what the engine refuses on a GPU, the plan refuses with the engine's words
+    with pytest.raises(ConfigError, match="quantization bf16.*CPU path"):
+        plan(quantization="bf16")
+    with pytest.raises(ConfigError, match="kv_cache_dtype: bfloat16 is implemented on CPU only"):
+        plan(kv_cache_dtype="bfloat16")
+
+
+def test_this_machine_resolves_formats_as_the_engine(cpu_profile) -> None:
+    """`this`: dtype auto is the engine's decision (platform/cpu.resolve_weight_storage, then
+    engine/build.resolve_dtype) from the same profile; explicit flags are kept."""
+    from strata.config import EngineConfig
+    from strata.engine.build import kv_dtype, resolve_dtype
+    from strata.planner.plan import engine_formats
+    from strata.platform.cpu import resolve_weight_storage
+
+    for shape in ("llama-3.2-1b", "smol-135m"):
+        cfg = resolve_model(shape)[0]
+        got = engine_formats(PlanRequest(model=shape), cfg, "cpu", 1, cpu_profile)
+        config = resolve_weight_storage(EngineConfig(), cfg.torch_dtype, cpu_profile)
+        assert got.quantization == config.quantization
+        assert got.dtype == resolve_dtype(config.dtype, "cpu", cfg.torch_dtype, cpu_profile)
+        assert got.kv_dtype == kv_dtype(config, got.dtype)
+    cfg = resolve_model("llama-3.2-1b")[0]
+    asked = engine_formats(PlanRequest(model="x", dtype="float32", quantization="int4", kv_cache_dtype="bf16"),
+                           cfg, "cpu", 1, cpu_profile)
+    assert (asked.dtype, asked.quantization, asked.kv_dtype) == (torch.float32, "int4", torch.bfloat16)
+    bf16 = engine_formats(PlanRequest(model="x", quantization="bf16"), cfg, "cpu", 1, cpu_profile)
+    assert (bf16.dtype, bf16.quantization) == (torch.float32, "bf16")
+
+
+def test_this_plan_weight_bytes_follow_the_weight_format(tiny_ckpt, cpu_profile) -> None:
+    def plan(**kw):
+        return build_plan(PlanRequest(model=str(tiny_ckpt), hardware="this", max_model_len=128, batch=2,
+                                      input_len=32, context=64, kv_cache_memory=2**20, **kw),
+                          profile=cpu_profile, overhead=StepOverhead.zero())
+
+    fp32, bf16 = plan(dtype="float32"), plan(dtype="float32", quantization="bf16")
+    int8 = plan(dtype="float32", quantization="int8")
+    assert bf16.quantization == "bf16" and bf16.dtype == "float32"
+    assert bf16.memory.weight_bytes < 0.6 * fp32.memory.weight_bytes
+    assert int8.memory.weight_bytes < bf16.memory.weight_bytes
+    assert bf16.memory.kv_per_token == fp32.memory.kv_per_token  # fp32 compute: an fp32 cache
