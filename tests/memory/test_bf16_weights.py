@@ -109,6 +109,32 @@ def test_engine_greedy_equals_fp32_on_a_bf16_checkpoint(llama, tmp_path):
     assert narrow.engine.plan.weight_bytes < wide.engine.plan.weight_bytes * 0.6
 
 
+def test_dtype_bfloat16_runs_the_narrow_weight_kernels(llama, tmp_path):
+    """--dtype bfloat16 on a CPU (a vLLM habit) is bf16 storage with fp32 activations and a bf16 KV
+    cache: the same engine, and the same tokens, as --quantization bf16 --kv-cache-dtype bfloat16
+    (before, it ran torch's bf16 GEMV at half the speed)."""
+    from strata import SamplingParams
+
+    from strata.kernels import cpu_bf16
+
+    if not cpu_bf16.available():
+        pytest.skip("numba not installed: bf16 compute stays torch's")
+    path = _bf16_checkpoint(llama.path, tmp_path / "bf16")
+    sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    prompts = [random_prompt(s, n, llama.vocab_size) for s, n in ((6, 7), (7, 21))]
+    habit = make_llm(path, dtype="bfloat16")
+    cfg = habit.engine.config
+    assert (cfg.dtype, cfg.quantization, cfg.kv_cache_dtype) == ("float32", "bf16", "bfloat16")
+    assert habit.engine.kv_caches[0].dtype == torch.bfloat16
+    cpu_gemm.mark(habit.engine.model, "aten", "aten")
+    narrow = make_llm(path, dtype="float32", quantization="bf16", kv_cache_dtype="bfloat16")
+    cpu_gemm.mark(narrow.engine.model, "aten", "aten")
+    got = [o.outputs[0].token_ids for o in habit.generate(prompts, sp, use_tqdm=False)]
+    assert got == [o.outputs[0].token_ids for o in narrow.generate(prompts, sp, use_tqdm=False)]
+    kept = make_llm(path, dtype="bfloat16", kv_cache_dtype="auto", quantization="int8")
+    assert (kept.engine.config.dtype, kept.engine.config.quantization) == ("float32", "int8")
+
+
 def test_auto_policy_by_measurement():
     from dataclasses import replace
 
