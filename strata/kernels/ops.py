@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from strata.kernels import cpu_norm, cpu_quant, cpu_rope
+from strata.kernels import cpu_norm, cpu_quant, cpu_quantize, cpu_rope
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
@@ -34,3 +34,13 @@ def quant_embedding_rows(method: str, qweight: torch.Tensor, scale: torch.Tensor
     if cpu_quant.usable(scale, qweight):
         return cpu_quant.embedding_rows(method, qweight, scale, ids, group_size)
     return None
+
+
+def quantize_weight_rows(method: str, w: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+                         group_size: int) -> bool:
+    """Quantise float rows `w` into `qweight` / `scale` in place by the CPU kernel; False where it
+    does not apply (the caller runs the torch twin, quant_formats.quantize_int8 / int4)."""
+    if not cpu_quantize.usable(w, qweight):
+        return False
+    cpu_quantize.quantize_rows(method, w, qweight, scale, group_size)
+    return True

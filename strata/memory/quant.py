@@ -100,11 +100,13 @@ class QuantLinear(nn.Module):
         step = max(1, QUANT_CHUNK_ELEMENTS // max(1, w.shape[1]))
         for i in range(0, w.shape[0], step):
             part = w[i : i + step]
+            rows = slice(start + i, start + i + part.shape[0])
+            if ops.quantize_weight_rows(self.method, part, self.qweight[rows], self.scale[rows], self.group_size):
+                continue
             if self.method == "int8":
                 q, s = quant_formats.quantize_int8(part)
             else:
                 q, s = quant_formats.quantize_int4(part, self.group_size)
-            rows = slice(start + i, start + i + part.shape[0])
             self.qweight[rows].copy_(q)
             self.scale[rows].copy_(s)
 
