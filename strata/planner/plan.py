@@ -61,6 +61,7 @@ from strata.config import DTYPES, EngineConfig, engine_default
 from strata.demo.random_models import SHAPES
 from strata.engine.build import kv_dtype, resolve_dtype
 from strata.errors import CapacityError, ConfigError
+from strata.graph.loader import STAGING_BYTES
 from strata.hardware import probe as hw_probe
 from strata.hardware.specs import AcceleratorSpec, lookup, parse_hardware
 from strata.memory.planner import plan_memory
@@ -89,6 +90,7 @@ from strata.planner.layer_probe import (
     probe_seconds,
 )
 from strata.platform.cpu import resolve_weight_storage
+from strata.text_table import fmt_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -165,6 +167,7 @@ class MemoryPart:
     max_sequences: int
     fits: bool
     error: str | None = None
+    load_peak_bytes: int = 0  # the most a load holds: final weights + the loader's read staging
 
     @property
     def kv_tokens(self) -> int:
@@ -275,15 +278,19 @@ def memory_part(shape: ModelShape, dev: Device, req: PlanRequest, dtype: torch.d
     except CapacityError as e:
         blocks, error = budget // per_block if per_block else 0, str(e)
     kv_cache = blocks * per_block
-    fits = error is None and weights + act <= dev.memory_bytes
+    # the streaming loader holds the final weights plus its read staging, never a float copy; with
+    # tensor parallelism each rank loads the whole model before keeping its shard
+    load_peak = shape.weight_bytes + STAGING_BYTES
+    fits = error is None and weights + act <= dev.memory_bytes and load_peak <= dev.memory_bytes
     if error is None and not fits:
-        error = "weights + activations exceed device memory"
+        error = ("weights + activations exceed device memory" if weights + act > dev.memory_bytes
+                 else f"the load's peak ({fmt_bytes(load_peak)}) exceeds device memory")
     return MemoryPart(
         total_bytes=dev.memory_bytes, weight_bytes=weights, kv_per_token=per_token,
         kv_per_sequence=per_token * max_len, activation_bytes=act, kv_budget_bytes=int(budget),
         kv_budget_source=source, num_blocks=int(blocks), block_size=req.block_size, kv_cache_bytes=kv_cache,
         free_bytes=dev.memory_bytes - weights - act - kv_cache, max_sequences=int(blocks // blocks_per_seq),
-        fits=fits, error=error,
+        fits=fits, error=error, load_peak_bytes=load_peak,
     )
 
 

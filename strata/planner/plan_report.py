@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from html import escape
 
+from strata.graph.loader import STAGING_BYTES
 from strata.planner import charts
 from strata.planner.plan import Plan
 from strata.text_table import fmt_bytes
@@ -46,6 +47,8 @@ def memory_lines(p: Plan) -> list[str]:
         "Memory (per device)",
         f"  total          {fmt_bytes(m.total_bytes)}",
         f"  weights        {fmt_bytes(m.weight_bytes)}",
+        f"  load peak      {fmt_bytes(m.load_peak_bytes)} (the final weights + {fmt_bytes(STAGING_BYTES)} of read "
+        "staging: the loader converts each tensor as it reads it, never a float copy)",
         f"  KV cache       {fmt_bytes(m.kv_cache_bytes)} = {m.num_blocks} blocks x {m.block_size} = "
         f"{m.kv_tokens:,} tokens  (budget {fmt_bytes(m.kv_budget_bytes)}: {m.kv_budget_source})",
         f"    per token    {fmt_bytes(m.kv_per_token)}; per sequence at L={p.max_model_len}: "

@@ -27,6 +27,7 @@ from strata.planner.plan import (
     this_device,
 )
 from strata.planner.plan_report import format_text
+from strata.text_table import fmt_bytes
 
 
 def _llama(name, hidden, inter, layers, heads, kv, vocab, tied=False, arch="LlamaForCausalLM", **kw):
@@ -379,6 +380,12 @@ def test_plan_honours_dtype_and_quantization() -> None:
     assert fp32.memory.kv_per_token == 2 * auto.memory.kv_per_token == kv_bytes_per_token(cfg, torch.float32)
     assert fp32.depth_curve[0].total_s > auto.depth_curve[0].total_s > int8.depth_curve[0].total_s
     assert any("planned in bfloat16" in n for n in auto.notes)
+    # the streaming loader's peak: the final weights + its read staging, whatever the format
+    from strata.graph.loader import STAGING_BYTES
+
+    for p in (auto, fp32, int8, int4):
+        assert p.memory.load_peak_bytes == p.memory.weight_bytes + STAGING_BYTES
+    assert f"load peak      {fmt_bytes(int4.memory.load_peak_bytes)}" in format_text(int4)
     # what the engine refuses on a GPU, the plan refuses with the engine's words
     with pytest.raises(ConfigError, match="quantization bf16.*CPU path"):
         plan(quantization="bf16")
