@@ -26,9 +26,9 @@ from strata.graph.hub import check_model_dir
 from strata.graph.models.llama import CausalLM
 from strata.graph.safetensors_file import SafetensorsFile
 from strata.memory.arena import materialize_in_arena
-from strata.memory.bf16_weights import narrow_model
+from strata.memory.bf16_weights import WidenedEmbedding, narrow_model
 from strata.memory.planner import free_memory, weight_bytes
-from strata.memory.quant import QuantLinear, quantize_model
+from strata.memory.quant import QuantLinear, narrow_untied_embedding, quantize_model
 from strata.model_config import ModelConfig
 from strata.text_table import fmt_bytes
 
@@ -187,12 +187,16 @@ def checkpoint_targets(model: CausalLM, cfg: ModelConfig) -> dict[str, _Target]:
     return t
 
 
-def convert_storage(model: CausalLM, storage: str | None, group_size: int) -> None:
+def convert_storage(model: CausalLM, storage: str | None, group_size: int, checkpoint_dtype: torch.dtype) -> None:
     """Put the meta model's projections in their final storage before it gets any memory."""
     if storage == "bf16":
         narrow_model(model)
     elif storage is not None:
         quantize_model(model, storage, group_size)
+        embed = model.embed_tokens
+        if isinstance(embed, nn.Embedding) and narrow_untied_embedding(checkpoint_dtype, embed.weight.dtype, False):
+            weight = nn.Parameter(embed.weight.to(torch.bfloat16), requires_grad=False)
+            model.embed_tokens = WidenedEmbedding.over(weight, embed.weight.dtype)
 
 
 def _fill(f: SafetensorsFile, name: str, target: _Target) -> None:
@@ -231,7 +235,7 @@ def load_model(
         model = CausalLM(cfg, max_positions)
     model = model.to(dtype)
     model.tie_weights()
-    convert_storage(model, storage, group_size)
+    convert_storage(model, storage, group_size, cfg.torch_dtype)
     if torch.device(device).type == "cpu":
         materialize_in_arena(model)  # shared (tied) tensors stay shared
     else:

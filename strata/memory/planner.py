@@ -10,7 +10,7 @@ import torch
 
 from strata.errors import CapacityError
 from strata.kernels import kv_quant
-from strata.memory.quant import quantized_bytes
+from strata.memory.quant import narrow_untied_embedding, quantized_bytes
 from strata.model_config import ModelConfig
 from strata.text_table import fmt_bytes
 
@@ -28,7 +28,8 @@ def weight_bytes(
 ) -> int:
     """Bytes of the weights as held in memory; with `quantization` ("int8" | "int4") the dense
     projections (q/k/v, o, gate/up, down, lm_head) take their quantised size (memory/quant.py),
-    everything else (norms, biases, an untied embedding) stays in `dtype`. "bf16" (bf16 storage
+    everything else (norms, biases, an untied embedding) stays in `dtype`, but for an untied bf16
+    embedding of an fp32 model, kept in bf16 (quant.narrow_untied_embedding). "bf16" (bf16 storage
     of an fp32 model, memory/bf16_weights.py) keeps every 2-D weight, embeddings included, in 2 bytes."""
     if quantization is None:
         return cfg.num_params() * dtype.itemsize
@@ -40,10 +41,13 @@ def weight_bytes(
         (h, inter),  # down_proj
     ] * cfg.num_layers + [(cfg.vocab_size, h)]  # lm_head (the tied embedding shares it)
     float_params = cfg.num_params() - sum(n * k for n, k in mats)
+    embed = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size
     if quantization == "bf16":
-        embed = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size
         return (float_params - embed) * dtype.itemsize + 2 * (embed + sum(n * k for n, k in mats))
-    return float_params * dtype.itemsize + sum(quantized_bytes(quantization, n, k, group_size) for n, k in mats)
+    if not narrow_untied_embedding(cfg.torch_dtype, dtype, cfg.tie_word_embeddings):
+        embed = 0
+    return ((float_params - embed) * dtype.itemsize + 2 * embed
+            + sum(quantized_bytes(quantization, n, k, group_size) for n, k in mats))
 
 
 def check_fits(what: str, flag: str, nbytes: int, device: str, default: str) -> None:

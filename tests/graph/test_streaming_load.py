@@ -134,3 +134,45 @@ def test_plan_names_the_load_peak_in_the_refusal(one_gb_checkpoint, monkeypatch)
         loader.load_model(one_gb_checkpoint, torch.float32, max_positions=256, storage="int8")
     msg = str(err.value)
     assert f"{need:,} bytes" in msg and "int8 projections" in msg and "--quantization int4" in msg, msg
+
+
+@pytest.mark.parametrize("storage", ["int8", "int4"])
+def test_untied_bf16_embedding_stays_bf16_when_quantised(tiny_models, tmp_path, storage):
+    """An untied embedding read from a bf16 checkpoint keeps 2 bytes a weight in an fp32 model
+    (exact: bf16 widens to fp32 losslessly), and the plan's weight bytes say so."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from strata.memory.bf16_weights import WidenedEmbedding
+    from strata.memory.planner import weight_bytes
+    from strata.memory.quant import model_weight_bytes
+
+    dst = tmp_path / "bf16"
+    shutil.copytree(tiny_models["mistral"].path, dst)
+    f = dst / "model.safetensors"
+    save_file({k: v.bfloat16() for k, v in load_file(f).items()}, f, metadata={"format": "pt"})
+    cfg_file = dst / "config.json"
+    cfg_file.write_text(json.dumps({**json.loads(cfg_file.read_text()), "torch_dtype": "bfloat16"}))
+    m = loader.load_model(dst, torch.float32, max_positions=64, storage=storage, group_size=32)
+    assert isinstance(m.embed_tokens, WidenedEmbedding) and m.embed_tokens.weight.dtype == torch.bfloat16
+    ids = torch.tensor([[1, 9, 40]])
+    want = load_file(f)["model.embed_tokens.weight"].float()[ids]
+    assert torch.equal(m.embed_tokens(ids), want)
+    cfg = ModelConfig.from_file(cfg_file)
+    assert model_weight_bytes(m) == weight_bytes(cfg, torch.float32, storage, 32)
+    from conftest import make_llm
+
+    from strata import SamplingParams
+
+    # the same (bf16-valued) weights in an fp32 file keep an fp32 embedding: the same tokens
+    wide = tmp_path / "fp32"
+    shutil.copytree(dst, wide)
+    save_file({k: v.float() for k, v in load_file(f).items()}, wide / "model.safetensors", metadata={"format": "pt"})
+    (wide / "config.json").write_text(json.dumps({**json.loads(cfg_file.read_text()), "torch_dtype": "float32"}))
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    tokens = []
+    for path in (dst, wide):
+        llm = make_llm(path, dtype="float32", quantization=storage, quantization_group_size=32)
+        tokens.append([o.outputs[0].token_ids for o in llm.generate([[3, 5, 7, 11], [2, 8]], sp, use_tqdm=False)])
+    assert tokens[0] == tokens[1]
