@@ -311,9 +311,10 @@ def draft_proposer(config: EngineConfig, target: ModelConfig, dtype: torch.dtype
     if config.tensor_parallel_size > 1:
         raise ConfigError("--speculative-model with a draft model does not support tensor parallelism yet; use "
                           "--speculative-model ngram")
-    if cfg.max_position_embeddings < max_len:
-        raise ConfigError(f"--speculative-model {config.speculative_model}: it handles {cfg.max_position_embeddings} "
-                          f"positions, fewer than max_model_len ({max_len}); lower --max-model-len or pick a "
+    limit, why = cfg.context_limit()  # a yarn / dynamic rope stretches the window
+    if limit < max_len:
+        raise ConfigError(f"--speculative-model {config.speculative_model}: it handles {limit} positions "
+                          f"({why}), fewer than max_model_len ({max_len}); lower --max-model-len or pick a "
                           "draft model with a longer context")
     model = load(ckpt, dtype, config.device, max_len)
     one = kv_bytes_per_token(cfg, kv_dtype(config, dtype)) * max_len
