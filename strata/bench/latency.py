@@ -181,14 +181,17 @@ def run(args: argparse.Namespace) -> int:
     warm = [random_prompts(np.random.default_rng(args.seed + 1 + i), vocab, [args.input_len] * args.batch, avoid)
             for i in range(args.warmup)]
     warm_len = min(args.output_len, 8)
-    params, wbytes, kvtok = cfg.num_params(), eng.plan.weight_bytes, eng.plan.kv_bytes_per_token
+    params, held, kvtok = cfg.num_params(), eng.plan.weight_bytes, eng.plan.kv_bytes_per_token
+    # what a decode step reads: an untied input embedding is looked up, not streamed
+    wbytes = memory_planner.streamed_weight_bytes(cfg, eng.dtype, eng.config.quantization,
+                                                  eng.config.quantization_group_size)
     info = {
         "benchmark": NAME, "model": str(eng.model_path), "architecture": cfg.architecture, "params": params,
         "dtype": str(eng.dtype).replace("torch.", ""), "device": args.device, "threads": eng.threads,
         "batch": args.batch, "input_len": args.input_len, "output_len": args.output_len,
         "warmup": args.warmup, "repeats": args.repeats, "competing_load": args.competing_load, "seed": args.seed,
         "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
-        "weight_bytes": wbytes, "kv_bytes_per_token": kvtok,
+        "weight_bytes": held, "streamed_weight_bytes": wbytes, "kv_bytes_per_token": kvtok,
         "quantization": eng.config.quantization,
         "quantization_group_size": eng.config.quantization_group_size if eng.config.quantization == "int4" else None,
         "fuse": eng.config.fuse, "compile": eng.config.compile, "cuda_graphs": eng.config.cuda_graphs,
@@ -245,7 +248,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.compare == "hf":
         path, dtype, threads = eng.model_path, eng.dtype, eng.threads
-        hf_fig = dict(fig, weight_bytes=memory_planner.weight_bytes(cfg, dtype))  # transformers reads float weights
+        hf_fig = dict(fig, weight_bytes=memory_planner.streamed_weight_bytes(cfg, dtype))  # transformers reads float weights
         del llm, eng
         gc.collect()  # free Strata's KV cache before loading the peer
         torch.set_num_threads(threads)

@@ -50,6 +50,20 @@ def weight_bytes(
             + sum(quantized_bytes(quantization, n, k, group_size) for n, k in mats))
 
 
+def streamed_weight_bytes(
+    cfg: ModelConfig, dtype: torch.dtype, quantization: str | None = None, group_size: int = 64
+) -> int:
+    """The weight bytes one decode step reads: all of weight_bytes but an untied input embedding,
+    of which a step reads one row per sequence (in the bytes it is held in: 2 where bf16 storage or
+    quant.narrow_untied_embedding keeps it in bf16)."""
+    if cfg.tie_word_embeddings:
+        return weight_bytes(cfg, dtype, quantization, group_size)
+    narrow = quantization == "bf16" or (quantization is not None and narrow_untied_embedding(
+        cfg.torch_dtype, dtype, False))
+    embed = cfg.vocab_size * cfg.hidden_size * (2 if narrow else dtype.itemsize)
+    return weight_bytes(cfg, dtype, quantization, group_size) - embed
+
+
 def check_fits(what: str, flag: str, nbytes: int, device: str, default: str) -> None:
     """A size the user asked for must fit in the memory available now (the engine's start-up
     check; the planner prices other machines and does not call it)."""

@@ -24,7 +24,7 @@ from strata.comm.alpha_beta import CommModel, model_seconds
 from strata.errors import ConfigError
 from strata.hardware.measure import MATMUL_BATCH
 from strata.hardware.specs import AcceleratorSpec
-from strata.memory.planner import kv_bytes_per_token, weight_bytes
+from strata.memory.planner import kv_bytes_per_token, streamed_weight_bytes, weight_bytes
 from strata.model_config import ModelConfig
 from strata.platform.cpu_policy import GEMM_RATE_KEY as rate_key
 from strata.platform.cpu_policy import int8_prefill_gemm, prefill_gemms
@@ -60,10 +60,9 @@ class ModelShape:
                      + 3 * h * cfg.intermediate_size)
         p_layers = cfg.num_layers * per_layer
         held = weight_bytes(cfg, dtype, quantization, group)
-        untied_embedding = 0 if cfg.tie_word_embeddings else cfg.vocab_size * h * dtype.itemsize
         return cls(
             cfg=cfg, params=cfg.num_params(), p_lin=p_layers + cfg.vocab_size * h, p_layers=p_layers,
-            stream_bytes=held - untied_embedding, weight_bytes=held,
+            stream_bytes=streamed_weight_bytes(cfg, dtype, quantization, group), weight_bytes=held,
             kv_per_token=kv_bytes_per_token(cfg, kv_dtype or dtype),
             attn_flops_per_pos=4 * cfg.num_layers * cfg.num_heads * d, act_itemsize=dtype.itemsize,
         )

@@ -8,7 +8,7 @@ import torch
 from strata.config import EngineConfig, parse_bytes
 from strata.errors import CapacityError, ConfigError
 from strata.memory import planner
-from strata.memory.planner import kv_bytes_per_token, plan_memory
+from strata.memory.planner import kv_bytes_per_token, plan_memory, weight_bytes
 from strata.model_config import ModelConfig
 
 LLAMA2_7B = {
@@ -126,3 +126,24 @@ def test_engine_block_count(tiny_models, llm_factory):
     assert llm.engine.block_manager.num_blocks == 2**20 // (16 * m.kv_bytes_per_token)
     caches = llm.engine.kv_caches
     assert len(caches) == 2 and tuple(caches[0].shape) == (2, llm.engine.block_manager.num_blocks, 16, 2, 32)
+
+
+def test_streamed_weight_bytes_leave_out_an_untied_embedding():
+    """A decode step reads every weight but an untied input embedding (one row per sequence), in
+    the bytes the embedding is held in: fp32, or bf16 under bf16 storage and for a bf16 checkpoint
+    quantised into an fp32 model (quant.narrow_untied_embedding)."""
+    import dataclasses
+
+    from strata.demo.shapes import SHAPES
+    from strata.memory.planner import streamed_weight_bytes
+
+    untied = ModelConfig.from_dict(dict(SHAPES["llama-3.1-8b"]), "8b")  # bf16 checkpoint, untied
+    tied = dataclasses.replace(untied, tie_word_embeddings=True)
+    embed = untied.vocab_size * untied.hidden_size
+    f32 = torch.float32
+    assert streamed_weight_bytes(tied, f32, "int4") == weight_bytes(tied, f32, "int4")
+    assert streamed_weight_bytes(untied, f32) == weight_bytes(untied, f32) - 4 * embed
+    for q in ("bf16", "int8", "int4"):
+        assert streamed_weight_bytes(untied, f32, q) == weight_bytes(untied, f32, q) - 2 * embed
+    fp32_ckpt = dataclasses.replace(untied, torch_dtype=f32)
+    assert streamed_weight_bytes(fp32_ckpt, f32, "int8") == weight_bytes(fp32_ckpt, f32, "int8") - 4 * embed
