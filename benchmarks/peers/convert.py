@@ -8,7 +8,7 @@ from pathlib import Path
 
 from .figures import parse_llama_bench
 from .runner import Ctx, StepError
-from .settings import HERE, OUTTYPES, QUANTIZED
+from .settings import HERE, gguf_plan, gguf_types
 
 
 def converter_env(ctx: Ctx) -> dict[str, str]:
@@ -29,37 +29,77 @@ def converter_env(ctx: Ctx) -> dict[str, str]:
 
 
 def convert(ctx: Ctx, llama: Path, shapes: list[str]) -> dict[str, dict[str, Path]]:
-    """GGUF files per shape and outtype under $PEERS/gguf/<sdist version>/, converted once."""
+    """GGUF files per shape and type under $PEERS/gguf/<sdist version>/, each made once (settings.
+    gguf_plan: the converter's outtypes, then llama-quantize's types from one of them; a big shape's
+    intermediate bf16 GGUF is deleted once its quantised files exist, and not made again while they
+    do). Returns the files the benchmark rows read (settings.gguf_types)."""
     from strata.demo.random_models import random_model_path
 
-    env = None
+    envs: list[dict[str, str]] = []  # the converter's environment, probed once
     out: dict[str, dict[str, Path]] = {}
     gdir = ctx.cache / "gguf" / ctx.args.llama_cpp_python
     gdir.mkdir(parents=True, exist_ok=True)
     for shape in shapes:
         model = random_model_path(shape)
-        out[shape] = {}
-        for t in OUTTYPES:
-            dst = gdir / f"{shape}-{t}.gguf"
-            if not dst.is_file():
-                if env is None:
-                    env = converter_env(ctx)
-                tmp = dst.with_suffix(".tmp.gguf")
-                ctx.run("prepare", f"convert-{shape}-{t}",
-                        [ctx.python, HERE / "convert_gguf.py", llama, model, "--outtype", t, "--outfile", tmp],
-                        timeout=3600, env=env)
-                tmp.rename(dst)
-            out[shape][t] = dst
-        for t, src in QUANTIZED.items():
-            dst = gdir / f"{shape}-{t}.gguf"
+        outtypes, quantized, drop = gguf_plan(shape)
+        keep = gguf_types(shape)
+        path = {t: gdir / f"{shape}-{t}.gguf" for t in (*outtypes, *quantized)}
+        for t in outtypes:
+            if t in keep:
+                _converted(ctx, llama, model, shape, t, path[t], envs)
+        for t, src in quantized.items():
+            dst = path[t]
             if not dst.is_file():
                 tmp = dst.with_suffix(".tmp.gguf")
                 ctx.run("prepare", f"quantize-{shape}-{t}",
-                        [ctx.bin_dir / "llama-quantize", out[shape][src], tmp, t, str(ctx.args.threads)],
-                        timeout=3600)
+                        [ctx.bin_dir / "llama-quantize", _converted(ctx, llama, model, shape, src, path[src], envs),
+                         tmp, t, str(ctx.args.threads)], timeout=3600)
                 tmp.rename(dst)
-            out[shape][t] = dst
+        for t in drop:  # intermediates: every file made from them exists by now
+            if path[t].is_file():
+                print(f"deleting {path[t]} (only the quantised files made from it are benchmarked)", flush=True)
+                path[t].unlink()
+            for stamp in gdir.glob(f"{path[t].name}.verified-*"):
+                stamp.unlink()
+        out[shape] = {t: path[t] for t in keep}
     return out
+
+
+def _converted(ctx: Ctx, llama: Path, model: Path, shape: str, t: str, dst: Path,
+               envs: list[dict[str, str]]) -> Path:
+    """dst, the GGUF of outtype t written by the converter unless it exists."""
+    if not dst.is_file():
+        if not envs:
+            envs.append(converter_env(ctx))
+        tmp = dst.with_suffix(".tmp.gguf")
+        ctx.run("prepare", f"convert-{shape}-{t}",
+                [ctx.python, HERE / "convert_gguf.py", llama, model, "--outtype", t, "--outfile", tmp],
+                timeout=3600, env=envs[0])
+        tmp.rename(dst)
+    return dst
+
+
+def long_context_model(ctx: Ctx, shape: str, n_ctx: int) -> Path:
+    """$PEERS/models/<shape>-ctx<n>/: the random checkpoint of `shape` (its files symlinked, the same
+    weights and tokenizer) with config.json's max_position_embeddings raised to n_ctx, so that
+    Strata accepts a max_model_len up to n_ctx (settings.DEPTH_CONTEXT says why)."""
+    from strata.demo.random_models import random_model_path
+
+    src = random_model_path(shape)
+    dst = ctx.cache / "models" / f"{shape}-ctx{n_ctx}"
+    dst.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads((src / "config.json").read_text())
+    if cfg.get("max_position_embeddings", 0) < n_ctx:
+        cfg["max_position_embeddings"] = n_ctx
+    for f in src.iterdir():
+        if f.name == "config.json" or not f.is_file():
+            continue
+        link = dst / f.name
+        if not (link.is_symlink() and link.resolve() == f.resolve()):
+            link.unlink(missing_ok=True)
+            link.symlink_to(f.resolve())
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return dst
 
 
 def verify_gguf(ctx: Ctx, ggufs: dict[str, dict[str, Path]]) -> None:

@@ -19,7 +19,15 @@ from .figures import (
 )
 from .monitor import loadavg
 from .runner import Ctx, Server, free_port, read_json
-from .settings import RATE_FACTORS, STRATA_REPEATS, rng_text
+from .settings import (
+    BIG_SHAPES,
+    DEPTH_CONTEXT,
+    RATE_FACTORS,
+    STRATA_REPEATS,
+    Workload,
+    precisions,
+    rng_text,
+)
 
 
 def measure(ctx: Ctx, what: str, fn: Any) -> Any:
@@ -104,10 +112,45 @@ def median_rounds(per_round: list[dict[str, dict]]) -> dict[str, dict]:
                 merged[f] = statistics.median(values) if values else None
         busy = [e["others_cpu"] for e in entries if e.get("others_cpu") is not None]
         merged["others_cpu"] = max(busy) if busy else None
+        peaks = [e["peak_rss_bytes"] for e in entries if e.get("peak_rss_bytes")]
+        if peaks:  # the highest of the rounds: a peak, not a rate
+            merged["peak_rss_bytes"] = max(peaks)
         if len(per_round) > 1:
             merged["round_figures"] = [_round_figures(e) for e in entries]
         out[key] = merged
     return out
+
+
+def latency_pairs(shape: str, have: set[str] | dict) -> list[tuple[str, list[str], tuple[str, ...]]]:
+    """LATENCY_PAIRS for one shape: its Strata formats (settings.precisions; all for the small
+    shapes), each with the GGUF types of `have` (those the shape prepares), pairs left without one
+    dropped."""
+    wanted = precisions(shape)
+    out = []
+    for tag, extra, types in LATENCY_PAIRS:
+        if wanted is not None and tag not in wanted:
+            continue
+        kept = tuple(t for t in types if t in have)
+        if kept:
+            out.append((tag, extra, kept))
+    return out
+
+
+def latency_plan(shape: str, wl: Workload, args: argparse.Namespace) -> dict[str, int]:
+    """Tokens, repetitions and rounds of one shape's latency rows: the big shapes' own (Workload.big_*,
+    --big-latency-rounds), else the workload's and --latency-rounds."""
+    if shape in BIG_SHAPES:
+        return {"lat_in": wl.lat_in, "lat_out": wl.big_lat_out, "bench_reps": wl.big_bench_reps,
+                "repeats": wl.big_repeats, "rounds": args.big_latency_rounds}
+    return {"lat_in": wl.lat_in, "lat_out": wl.lat_out, "bench_reps": wl.bench_reps, "repeats": STRATA_REPEATS,
+            "rounds": args.latency_rounds}
+
+
+def peak_of(*entries: dict | None) -> int | None:
+    """The highest peak RSS (bytes) of these commands' records, or None."""
+    xs = [e.get("peak_rss_bytes") for e in entries if e]
+    xs = [x for x in xs if x]
+    return max(xs) if xs else None
 
 
 def part_latency(ctx: Ctx, shape: str, ggufs: dict[str, Path]) -> dict:
@@ -118,52 +161,61 @@ def part_latency(ctx: Ctx, shape: str, ggufs: dict[str, Path]) -> dict:
     every precision is measured N times, round-robin (so a precision's rounds are minutes
     apart), and each figure is the median of its rounds (round_figures keeps each round)."""
     wl, args = ctx.wl, ctx.args
+    plan = latency_plan(shape, wl, args)
+    lat_in, lat_out = plan["lat_in"], plan["lat_out"]
     res: dict[str, Any] = {"loadavg_before": loadavg(), "llama_bracketed": True}
+    if shape in BIG_SHAPES:  # its own workload: the report says so beside its table
+        res["workload"] = plan
     out_dir = ctx.run_dir / "latency"
     out_dir.mkdir(exist_ok=True)
-    common = ["-t", str(args.threads), "-r", str(wl.bench_reps), "-o", "json"]
+    common = ["-t", str(args.threads), "-r", str(plan["bench_reps"]), "-o", "json"]
     all_rows: list[dict] = []
 
-    def llama(types: tuple[str, ...], when: str) -> tuple[list[dict], float | None]:
+    def llama(types: tuple[str, ...], when: str) -> tuple[list[dict], float | None, int | None]:
         margs = [a for t in types for a in ("-m", ggufs[t])]
         tag = "-".join(types)
 
-        def run(attempt: int) -> tuple[list[dict], float | None]:
+        def run(attempt: int) -> tuple[list[dict], float | None, int | None]:
             pp = ctx.run("latency", f"llama-bench-pp-{shape}-{tag}-{when}",
-                         [ctx.bin_dir / "llama-bench", *margs, "-p", str(wl.lat_in), "-n", "0", *common],
+                         [ctx.bin_dir / "llama-bench", *margs, "-p", str(lat_in), "-n", "0", *common],
                          capture=True, timeout=3600)
             e_pp = ctx.last
             tg = ctx.run("latency", f"llama-bench-tg-{shape}-{tag}-{when}",
-                         [ctx.bin_dir / "llama-bench", *margs, "-p", "0", "-n", str(wl.lat_out), "-d", str(wl.lat_in),
+                         [ctx.bin_dir / "llama-bench", *margs, "-p", "0", "-n", str(lat_out), "-d", str(lat_in),
                           *common], capture=True, timeout=3600)
-            return parse_llama_bench(pp) + parse_llama_bench(tg), others_cpu(e_pp, ctx.last)
+            # one model per invocation: its peak RSS is that model's (two would give the larger one's)
+            peak = peak_of(e_pp, ctx.last) if len(types) == 1 else None
+            return parse_llama_bench(pp) + parse_llama_bench(tg), others_cpu(e_pp, ctx.last), peak
 
         return measure(ctx, f"{shape} llama-bench {tag} ({when} Strata)", run)
 
     base = [*ctx.strata, "bench", "latency", "--random-model", shape, "--dtype", "float32",
-            "--kv-cache-dtype", args.strata_kv_cache_dtype, "--input-len", str(wl.lat_in), "--output-len", str(wl.lat_out), "--threads", str(args.threads), "--repeats", str(STRATA_REPEATS)]
+            "--kv-cache-dtype", args.strata_kv_cache_dtype, "--input-len", str(lat_in), "--output-len", str(lat_out),
+            "--threads", str(args.threads), "--repeats", str(plan["repeats"])]
 
     def strata(extra: list[str], tag: str) -> Any:
-        def run(attempt: int) -> tuple[dict, float | None]:
+        def run(attempt: int) -> tuple[dict, float | None, int | None]:
             f = out_dir / f"strata-{shape}-{tag}{f'-a{attempt + 1}' if attempt else ''}.json"
             ctx.run("latency", f"strata-latency-{shape}-{tag}", [*base, *extra, "--json", f], timeout=3600)
-            return read_json(f), others_cpu(ctx.last)
+            return read_json(f), others_cpu(ctx.last), peak_of(ctx.last)
         return measure(ctx, f"{shape} strata bench latency {tag}", run)
 
-    rounds = args.latency_rounds
+    rounds = plan["rounds"]
     per_round: list[dict[str, dict]] = []
     for r in range(rounds):
         got: dict[str, dict] = {}
-        for tag, extra, types in LATENCY_PAIRS:
+        for tag, extra, types in latency_pairs(shape, ggufs):
             when = "" if rounds == 1 else f"-r{r + 1}"
-            rows_before, busy_before = llama(types, "before" + when)
-            d, busy = strata(extra, tag + when)
-            rows_after, busy_after = llama(types, "after" + when)
+            rows_before, busy_before, peak_before = llama(types, "before" + when)
+            d, busy, peak = strata(extra, tag + when)
+            rows_after, busy_after, peak_after = llama(types, "after" + when)
             all_rows += rows_before + rows_after
             for t in types:
                 name = ggufs[t].name
                 entry: dict[str, Any] = {"others_cpu": max((b for b in (busy_before, busy_after) if b is not None), default=None)}
-                for phase, p, n, depth in (("prefill", wl.lat_in, 0, 0), ("decode", 0, wl.lat_out, wl.lat_in)):
+                if peak_before or peak_after:
+                    entry["peak_rss_bytes"] = max(x for x in (peak_before, peak_after) if x)
+                for phase, p, n, depth in (("prefill", lat_in, 0, 0), ("decode", 0, lat_out, lat_in)):
                     before, after = pick_bench(rows_before, name, p, n, depth), pick_bench(rows_after, name, p, n, depth)
                     entry[f"{phase}_tps"], entry[f"{phase}_tps_runs"] = bracketed(before, after, "avg_ts")
                     entry[f"{phase}_stddev"] = bracketed(before, after, "stddev_ts")[0]
@@ -179,6 +231,8 @@ def part_latency(ctx: Ctx, shape: str, ggufs: dict[str, Path]) -> dict:
                 got[f"strata_{tag}"] = {"prefill_tps": d["strata"]["prefill_tokens_per_s"],
                                         "decode_tps": d["strata"]["decode_tokens_per_s"], "mbu": d["strata"].get("mbu"),
                                         "others_cpu": busy}
+                if peak:  # the fp32 row's process runs transformers too: no peak of Strata's own there
+                    got[f"strata_{tag}"]["peak_rss_bytes"] = peak
         per_round.append(got)
     res.update(median_rounds(per_round))
     res["rounds"] = rounds
@@ -187,6 +241,102 @@ def part_latency(ctx: Ctx, shape: str, ggufs: dict[str, Path]) -> dict:
         ctx.results["versions"]["llama_cpp"].setdefault("build_number", all_rows[0].get("build_number"))
         ctx.results["versions"]["llama_cpp"].setdefault("build_commit", all_rows[0].get("build_commit"))
         ctx.results["machine"].setdefault("llama_cpu_info", all_rows[0].get("cpu_info"))
+    res["loadavg_after"] = loadavg()
+    return res
+
+
+# The depth part's KV formats: (row tag, Strata --kv-cache-dtype, llama-bench -ctk/-ctv). Both engines
+# read bf16 weights (Strata --quantization bf16, the bf16 GGUF) so the KV bytes weigh more at depth.
+DEPTH_KV = (
+    ("bf16", "bfloat16", "f16"),
+    ("int8", "int8", "q8_0"),
+)
+# llama.cpp keeps a quantised V cache only with flash attention on; every depth row runs with it,
+# f16 too, so the two KV formats differ in nothing else
+LLAMA_DEPTH_FLAGS = ("-fa", "on")  # llama-bench --help: -fa, --flash-attn <on|off|auto>
+
+
+def depth_key(depth: int) -> str:
+    """results.json key of one depth ('0', '4096', ...: JSON keys are strings)."""
+    return str(depth)
+
+
+def part_depth(ctx: Ctx, shape: str, ggufs: dict[str, Path], depths: list[int]) -> dict:
+    """Batch-1 decode after a context of each depth: Strata's bf16 and int8 KV vs llama.cpp's f16
+    and q8_0 KV, bf16 weights on both. Per round, per KV format, per depth: llama-bench (-p 0 -n N
+    -d D: N tokens generated after a D-token context, which it prefills untimed), then Strata's run
+    (`strata bench latency --input-len D --output-len N`: its decode figure covers the N - 1 steps
+    after the prompt; one warm-up run, which prefills a context of D again, then one timed run:
+    without the warm-up a new process's first decode steps ran 1.6x slower). With --depth-bracket
+    llama-bench runs again after Strata and its figure is the mean of the two, as in the latency
+    part; by default it runs once, before (a 16k context takes each engine minutes to prefill on 2
+    cores). --depth-rounds rounds, each figure the median of its rounds (round_figures keeps each)."""
+    from .convert import long_context_model
+
+    wl, args = ctx.wl, ctx.args
+    n_out = wl.depth_out
+    model = long_context_model(ctx, shape, max(DEPTH_CONTEXT, max(depths) + n_out))
+    gguf = ggufs["bf16"]
+    rounds, bracket = args.depth_rounds, args.depth_bracket
+    res: dict[str, Any] = {"loadavg_before": loadavg(), "depths": depths, "output_len": n_out, "rounds": rounds,
+                           "llama_bracketed": bracket,
+                           "weights": {"strata": "--quantization bf16", "llama": gguf.name},
+                           "kv": [{"tag": t, "strata": s, "llama": ll} for t, s, ll in DEPTH_KV],
+                           "model_dir": ctx.display([str(model)]), "llama_flags": list(LLAMA_DEPTH_FLAGS)}
+    out_dir = ctx.run_dir / "depth"
+    out_dir.mkdir(exist_ok=True)
+    all_rows: list[dict] = []
+
+    def llama(kv: str, depth: int, when: str) -> tuple[dict | None, float | None, int | None]:
+        def run(attempt: int) -> tuple[dict | None, float | None, int | None]:
+            out = ctx.run("depth", f"llama-bench-depth-{shape}-{kv}-d{depth}-{when}",
+                          [ctx.bin_dir / "llama-bench", "-m", gguf, "-p", "0", "-n", str(n_out), "-d", str(depth),
+                           "-ctk", kv, "-ctv", kv, *LLAMA_DEPTH_FLAGS, "-t", str(args.threads),
+                           "-r", str(wl.depth_bench_reps), "-o", "json"], capture=True, timeout=3600)
+            rows = parse_llama_bench(out)
+            all_rows.extend(rows)
+            return pick_bench(rows, gguf.name, 0, n_out, depth), others_cpu(ctx.last), peak_of(ctx.last)
+
+        return measure(ctx, f"{shape} llama-bench depth {depth} {kv} KV ({when} Strata)", run)
+
+    def strata(kv_dtype: str, depth: int, tag: str) -> tuple[dict, float | None, int | None]:
+        def run(attempt: int) -> tuple[dict, float | None, int | None]:
+            f = out_dir / f"strata-{shape}-{tag}{f'-a{attempt + 1}' if attempt else ''}.json"
+            ctx.run("depth", f"strata-depth-{shape}-{tag}",
+                    [*ctx.strata, "bench", "latency", "--model", model, "--dtype", "float32", "--quantization", "bf16",
+                     "--kv-cache-dtype", kv_dtype, "--input-len", str(max(1, depth)), "--output-len", str(n_out),
+                     "--warmup", "1", "--repeats", "1", "--threads", str(args.threads), "--json", f], timeout=3600)
+            return read_json(f), others_cpu(ctx.last), peak_of(ctx.last)
+
+        return measure(ctx, f"{shape} strata bench latency depth {depth} {kv_dtype} KV", run)
+
+    per_round: list[dict[str, dict[str, dict]]] = []
+    for r in range(rounds):
+        got: dict[str, dict[str, dict]] = {depth_key(d): {} for d in depths}
+        when = "" if rounds == 1 else f"-r{r + 1}"
+        for tag, kv_dtype, kv in DEPTH_KV:
+            for depth in depths:
+                before, busy_b, peak_b = llama(kv, depth, "before" + when)
+                d, busy, peak = strata(kv_dtype, depth, f"{tag}kv-d{depth}{when}")
+                after, busy_a, peak_a = llama(kv, depth, "after" + when) if bracket else (None, None, None)
+                mean, runs = bracketed(before, after, "avg_ts")
+                entry: dict[str, Any] = {"decode_tps": mean, "decode_tps_runs": runs,
+                                         "decode_stddev": bracketed(before, after, "stddev_ts")[0],
+                                         "others_cpu": others_cpu({"others_cpu_mean": busy_b},
+                                                                  {"others_cpu_mean": busy_a}),
+                                         "type_k": (before or after or {}).get("type_k"),
+                                         "flash_attn": (before or after or {}).get("flash_attn")}
+                if peak_b or peak_a:
+                    entry["peak_rss_bytes"] = max(x for x in (peak_b, peak_a) if x)
+                got[depth_key(depth)][f"llama_{kv}"] = entry
+                s = d["strata"]
+                got[depth_key(depth)][f"strata_{tag}"] = {
+                    "decode_tps": s["decode_tokens_per_s"], "context_prefill_s": s.get("prefill_s"),
+                    "mbu": s.get("mbu"), "others_cpu": busy, "kv_bytes_per_token": d.get("kv_bytes_per_token"),
+                    **({"peak_rss_bytes": peak} if peak else {})}
+        per_round.append(got)
+    res["by_depth"] = {depth_key(d): median_rounds([g[depth_key(d)] for g in per_round]) for d in depths}
+    (out_dir / f"llama-bench-depth-{shape}.json").write_text(json.dumps(all_rows, indent=2) + "\n")
     res["loadavg_after"] = loadavg()
     return res
 

@@ -15,10 +15,33 @@ from typing import Any
 from .build import prepare
 from .machine import machine, versions
 from .monitor import CpuMonitor
-from .parts import part_latency, part_serving, part_throughput
+from .parts import part_depth, part_latency, part_serving, part_throughput
 from .report import merge_previous, render_markdown, write_report
 from .runner import Ctx, StepError, read_json, strata_cmd
-from .settings import ALL_SHAPES, DEFAULT_JSON, DEFAULT_MD, FULL, PARTS, QUICK, rng_text
+from .settings import (
+    ALL_SHAPES,
+    DEFAULT_JSON,
+    DEFAULT_MD,
+    DEPTH_CAPABLE,
+    FULL,
+    PARTS,
+    QUICK,
+    SMALL_SHAPES,
+    parse_depths,
+    parse_shapes,
+    rng_text,
+)
+
+
+def selection(args: argparse.Namespace) -> tuple[list[str], list[str], list[str], list[str]]:
+    """(parts, latency shapes, depth shapes, load shapes) this run measures: --only's parts in
+    PARTS order, and each part's shapes (empty when the part does not run)."""
+    only = set(args.only.split(","))
+    parts = [p for p in PARTS if p in only]
+    lat = parse_shapes(args.shapes) if "latency" in parts else []
+    depth = parse_shapes(args.depth_shapes, DEPTH_CAPABLE) if "depth" in parts else []
+    load = parse_shapes(args.load_shapes, SMALL_SHAPES) if {"throughput", "serving"} & set(parts) else []
+    return parts, lat, depth, load
 
 
 def run_all(args: argparse.Namespace, argv: list[str] | None = None) -> int:
@@ -37,10 +60,9 @@ def run_all(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     run_dir = cache / "runs" / stamp
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    parts = [p for p in PARTS if p in args.only.split(",")]
-    lat_shapes = [s for s in args.shapes.split(",") if s] if "latency" in parts else []
-    load_shapes = [s for s in args.load_shapes.split(",") if s] if {"throughput", "serving"} & set(parts) else []
+    parts, lat_shapes, depth_shapes, load_shapes = selection(args)
     wl = QUICK if args.quick else FULL
+    depths = parse_depths(args.depths) if args.depths is not None else list(wl.depths)
     shown_args = " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     results: dict[str, Any] = {
         "date": dt.datetime.now().astimezone().isoformat(timespec="seconds"), "args": shown_args,
@@ -48,22 +70,26 @@ def run_all(args: argparse.Namespace, argv: list[str] | None = None) -> int:
             "lat_in": wl.lat_in, "lat_out": wl.lat_out, "bench_reps": wl.bench_reps, "tp_prompts": wl.tp_prompts,
             "tp_in": rng_text(wl.tp_in), "tp_out": rng_text(wl.tp_out), "serve_target_s": wl.serve_target_s,
             "serve_min_prompts": wl.serve_min_prompts, "serve_max_prompts": wl.serve_max_prompts,
-            "hf_batch": wl.hf_batch, "threads": args.threads, "strata_kv_cache_dtype": args.strata_kv_cache_dtype},
+            "hf_batch": wl.hf_batch, "threads": args.threads, "strata_kv_cache_dtype": args.strata_kv_cache_dtype,
+            "big_lat_out": wl.big_lat_out, "big_bench_reps": wl.big_bench_reps, "big_repeats": wl.big_repeats,
+            "big_latency_rounds": args.big_latency_rounds, "depth_out": wl.depth_out, "depths": depths,
+            "depth_rounds": args.depth_rounds, "depth_bracket": args.depth_bracket},
         "commands": [], "errors": [], "notes": [], "versions": {}, "machine": {},
         "wait_quiet_s": args.wait_quiet, "quiet_cpu": args.quiet_cpu,
-        "latency": {}, "throughput": {}, "serving": {},
+        "latency": {}, "depth": {}, "throughput": {}, "serving": {},
     }
     ctx = Ctx(args=args, wl=wl, cache=cache, run_dir=run_dir, results=results)
     ctx.strata = strata_cmd(ctx.python)
     results["run_dir_display"] = ctx.display([str(run_dir)])
     t_start = time.perf_counter()
     print(f"peer cache {cache}\nthis run: {run_dir}\nparts: {', '.join(parts)}; latency shapes "
-          f"{lat_shapes}; load shapes {load_shapes}{' (quick)' if args.quick else ''}", flush=True)
+          f"{lat_shapes}; depth shapes {depth_shapes} at depths {depths}; load shapes {load_shapes}"
+          f"{' (quick)' if args.quick else ''}", flush=True)
 
     ctx.monitor = CpuMonitor()
     results["versions"] = versions(ctx)
     t0 = time.perf_counter()
-    ggufs = prepare(ctx, sorted(set(lat_shapes + load_shapes), key=ALL_SHAPES.index))
+    ggufs = prepare(ctx, sorted(set(lat_shapes + depth_shapes + load_shapes), key=ALL_SHAPES.index))
     results["prepare_s"] = time.perf_counter() - t0
     print(f"prepare: {results['prepare_s']:.1f} s", flush=True)
     if args.prepare_only:
@@ -84,6 +110,10 @@ def run_all(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         r = attempt(f"latency {shape}", part_latency, ctx, shape, ggufs[shape])
         if r:
             results["latency"][shape] = r
+    for shape in depth_shapes:
+        r = attempt(f"depth {shape}", part_depth, ctx, shape, ggufs[shape], depths)
+        if r:
+            results["depth"][shape] = r
     for shape in load_shapes:
         sat = None
         if "throughput" in parts:
@@ -103,7 +133,7 @@ def run_all(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     results["waited_quiet_s"] = round(ctx.waited_total, 1)
     results["wall_s"] = time.perf_counter() - t_start
     if not args.no_merge:
-        merge_previous(results, out_json, lat_shapes, load_shapes)
+        merge_previous(results, out_json, lat_shapes, load_shapes, depth_shapes)
     write_report(results, out_json, out_md, run_dir)
     for e in results["errors"]:
         print(f"ERROR in {e['part']}: {e['error']}")

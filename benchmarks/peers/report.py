@@ -8,9 +8,12 @@ from pathlib import Path
 from .runner import read_json
 from .settings import PARTS, RATE_FACTORS, STRATA_REPEATS
 from .tables import (
+    depth_gain_table,
+    depth_table,
     findings,
     fmt_cpu,
     fmt_num,
+    has_rss,
     latency_table,
     md_table,
     serving_table,
@@ -50,7 +53,8 @@ def render_markdown(res: dict) -> str:
           + "; ".join(res["kept_from_previous"]) + ".\n")
     w("All engines run the same random-weight checkpoints (`strata.demo.random_models`: smol-135m is "
       "SmolLM2-135M's shape, Llama architecture, 30 layers, tied embeddings; qwen-0.5b is Qwen2.5-0.5B's "
-      "shape), one after another in one invocation, so figures are ratios on one machine. "
+      "shape; llama-3.2-3b and llama-3.1-8b are Llama 3.2 3B's and Llama 3.1 8B's, written as bf16 "
+      "shards), one after another in one invocation, so figures are ratios on one machine. "
       "llama.cpp reads them as GGUF converted by its own `convert_hf_to_gguf.py`; transformers and "
       "Strata read the safetensors directory. Every request is greedy and ignores EOS.\n")
     w("**The dev machine is a shared VM** (2 cores; other jobs may run beside this one, and its DRAM "
@@ -70,6 +74,8 @@ def render_markdown(res: dict) -> str:
       "benchmarks/peers/run.sh --quick            # smoke run, tiny workloads; report under the cache\n"
       "benchmarks/peers/run.sh --only latency --shapes qwen-0.5b\n"
       "benchmarks/peers/run.sh --only latency --latency-rounds 5   # each batch-1 row in 5 rounds (default 3)\n"
+      "benchmarks/peers/run.sh --only latency --shapes llama-3.1-8b  # the 8B int4 row (opt-in)\n"
+      "benchmarks/peers/run.sh --only depth --depths 0,4k,16k --depth-rounds 3   # decode at context depth\n"
       "benchmarks/peers/run.sh --prepare-only     # download, build, convert, verify; no benchmarks\n"
       "benchmarks/peers/run.sh --report-only      # re-render this page from benchmarks/peers/results.json\n"
       "benchmarks/peers/run.sh --help             # shapes, slots, SLO, rates, quiet-machine waiting, retries\n"
@@ -163,7 +169,40 @@ def render_markdown(res: dict) -> str:
     w(f"llama.cpp variant used: {(res.get('versions') or {}).get('llama_cpp', {}).get('variant', 'native')}.\n")
     for shape, sr in (res.get("latency") or {}).items():
         w(f"### {shape}\n")
+        if sr.get("workload"):
+            bw = sr["workload"]
+            w(f"A big shape: {bw.get('lat_in')}-token prompt, {bw.get('lat_out')} output tokens, llama-bench "
+              f"`-r {bw.get('bench_reps')}`, Strata `--repeats {bw.get('repeats')}`, {bw.get('rounds')} round(s); "
+              "bf16, int8 and int4 weights only (llama-3.1-8b: int4), no fp32 or transformers row.\n")
+        if has_rss(sr):
+            w("Peak RSS = the process's \"Maximum resident set size\" (GNU `time -f %M`), the highest over the "
+              "rounds; for llama.cpp the higher of its runs before and after Strata's, which counts the GGUF "
+              "pages it mmaps and touched and, where llama-bench reports `repack: true` (q4_0 here), the "
+              "copy of the weights it repacks for its kernels.\n")
         w(latency_table(sr) + "\n")
+
+    dps = res.get("depth") or {}
+    if dps:
+        w("## Decode at context depth\n")
+        for shape, dr in dps.items():
+            w(f"### {shape}\n")
+            n = dr.get("output_len")
+            w(f"Batch 1, bf16 weights on both engines (Strata `--quantization bf16`, the bf16 GGUF): {n} tokens "
+              "decoded after a context of each depth. llama.cpp: `llama-bench -p 0 -n "
+              f"{n} -d D -ctk T -ctv T {' '.join(dr.get('llama_flags') or [])}` (T = f16, its default, or q8_0; "
+              "flash attention on for both, which a q8_0 V cache needs), "
+              + ("run right before and after Strata's, the figure their mean. " if dr.get("llama_bracketed")
+                 else "run once, right before Strata's (a 16k context takes minutes to prefill). ")
+              + f"Strata: `strata bench latency --input-len D --output-len {n} "
+              "--warmup 1 --repeats 1 --kv-cache-dtype bfloat16|int8` (depth 0: a 1-token prompt; the warm-up "
+              "prefills the context too, untimed) on "
+              f"`{dr.get('model_dir', '?')}`, the same checkpoint with config.json's max_position_embeddings "
+              "raised (the random shape says 4096, Strata refuses a longer context; Qwen2.5-0.5B says 32768); "
+              "its decode figure covers the steps after the prompt. "
+              f"{dr.get('rounds')} round(s); each figure is the median of its rounds, the ratio the median "
+              "of every round's own ratio.\n")
+            w(depth_table(dr) + "\n")
+            w(depth_gain_table(dr) + "\n")
 
     tps = res.get("throughput") or {}
     if tps:
@@ -239,7 +278,8 @@ def render_markdown(res: dict) -> str:
     return "\n".join(out)
 
 
-def merge_previous(results: dict, path: Path, lat_shapes: list[str], load_shapes: list[str]) -> None:
+def merge_previous(results: dict, path: Path, lat_shapes: list[str], load_shapes: list[str],
+                   depth_shapes: list[str] = ()) -> None:
     """Keep what this run did not measure (other parts or shapes) from the previous results file,
     with its commands, marked with the date it was measured, so `--only latency` updates one table."""
     try:
@@ -248,11 +288,13 @@ def merge_previous(results: dict, path: Path, lat_shapes: list[str], load_shapes
         return
     if prev.get("quick") != results.get("quick"):
         return
-    ran = {"latency": set(lat_shapes), "throughput": set(load_shapes) if "throughput" in results["parts"] else set(),
+    ran = {"latency": set(lat_shapes), "depth": set(depth_shapes),
+           "throughput": set(load_shapes) if "throughput" in results["parts"] else set(),
            "serving": set(load_shapes) if "serving" in results["parts"] else set()}
     kept = results.setdefault("kept_from_previous", [])
     this_cpu = _cpu_of(results)
     for part in PARTS:
+        results.setdefault(part, {})
         for shape, r in (prev.get(part) or {}).items():
             if shape in ran[part] or shape in results[part]:
                 continue
@@ -264,11 +306,20 @@ def merge_previous(results: dict, path: Path, lat_shapes: list[str], load_shapes
             kept.append(f"{part} {shape} (measured {date} on {cpu}{other})")
             results["commands"] += [dict(c, part=f"{c['part']} (from the run of {date})")
                                     for c in prev.get("commands", [])
-                                    if c["part"].split(" ")[0] == part and shape in c["cmd"]]
+                                    if c["part"].split(" ")[0] == part and _names_shape(c["cmd"], shape)]
     for part in PARTS:
         for r in results[part].values():
             r.setdefault("measured_on", results["date"])
             r.setdefault("measured_cpu", this_cpu)
+
+
+def _names_shape(cmd: str, shape: str) -> bool:
+    """Whether a command line is about `shape`: its name as a word of its own or in a file name
+    (qwen-0.5b, $PEERS/gguf/.../qwen-0.5b-f32.gguf, $PEERS/models/qwen-0.5b-ctx32768), never as
+    a part of a longer name."""
+    import re
+
+    return re.search(rf"(?<![\w.-]){re.escape(shape)}(?![\w.])", cmd) is not None
 
 
 def _cpu_of(results: dict) -> str:

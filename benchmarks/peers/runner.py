@@ -83,27 +83,124 @@ class Ctx:
         full_env = {**os.environ, **self.env, **(env or {})}
         wall0 = time.time()
         t0 = time.perf_counter()
+        out_path = log.with_suffix(".stdout")
         with open(log, "w") as f:
             f.write(f"$ {shlex.join([str(c) for c in cmd])}\n\n")
             f.flush()
-            p = subprocess.run([str(c) for c in cmd], stdout=subprocess.PIPE if capture else f,
-                               stderr=f, timeout=timeout, cwd=cwd, env=full_env, text=True)
+            out_f = open(out_path, "w") if capture else f  # stdout to a file: no pipe to drain
+            try:
+                rc, peak = run_measured([str(c) for c in cmd], out_f, f, timeout, cwd, full_env,
+                                         rss=part not in ("prepare", "machine"))
+            finally:
+                if capture:
+                    out_f.close()
         dt_s = time.perf_counter() - t0
         entry["seconds"] = round(dt_s, 1)
+        if peak:
+            entry["peak_rss_bytes"] = peak
         if self.monitor is not None:
             entry.update(self.monitor.window(wall0, time.time()))
             busy = entry.get("others_cpu_mean")
             if busy is not None and busy >= self.args.quiet_cpu:
                 print(f"    note: other processes used {busy:.0f}% of a core on average meanwhile "
                       f"({'; '.join(entry['busiest'][:2])})", flush=True)
+        stdout = ""
         if capture:
+            stdout = out_path.read_text(errors="replace")
+            out_path.unlink(missing_ok=True)
             with open(log, "a") as f:
-                f.write("\n--- stdout ---\n" + p.stdout)
-        status = "ok" if p.returncode == 0 else f"FAILED rc={p.returncode}"
-        print(f"    {status} in {dt_s:.1f} s", flush=True)
-        if p.returncode != 0:
-            raise StepError(f"`{shown}` failed (rc {p.returncode}); last lines of {log}:\n{tail(log)}")
-        return p.stdout if capture else ""
+                f.write("\n--- stdout ---\n" + stdout)
+        status = "ok" if rc == 0 else f"FAILED rc={rc}"
+        rss = f", peak RSS {peak / 2**30:.2f} GiB" if peak else ""
+        print(f"    {status} in {dt_s:.1f} s{rss}", flush=True)
+        if rc != 0:
+            raise StepError(f"`{shown}` failed (rc {rc}); last lines of {log}:\n{tail(log)}")
+        return stdout
+
+
+GNU_TIME = "/usr/bin/time"
+
+
+def run_measured(cmd: list[str], stdout: Any, stderr: Any, timeout: float, cwd: Path | None = None,
+                 env: dict | None = None, rss: bool = True) -> tuple[int, int | None]:
+    """Run cmd to completion: (exit status, peak resident set size in bytes, or None when not measured).
+
+    The peak is "Maximum resident set size" of GNU time (`/usr/bin/time -f %M`, what `time -v`
+    prints; the kernel's ru_maxrss of the command, which time forks from its own small process: a
+    child of this Python process would count this process's RSS too, which exec inherits into
+    ru_maxrss). Without GNU time, the command's process tree is sampled with psutil every 50 ms.
+    The command gets a session of its own; on timeout (or Ctrl-C) that process group is killed and
+    subprocess.TimeoutExpired raised, as subprocess.run does.
+    """
+    import tempfile
+    import threading
+
+    rss_file = None
+    if rss and os.access(GNU_TIME, os.X_OK):
+        fd, rss_file = tempfile.mkstemp(prefix="peers-rss-", suffix=".txt")
+        os.close(fd)
+        cmd = [GNU_TIME, "-f", "%M", "-o", rss_file, *cmd]
+    p = subprocess.Popen(cmd, stdout=stdout, stderr=stderr, cwd=cwd, env=env, start_new_session=True)
+    sampled = [0]
+    done = threading.Event()
+
+    def sample() -> None:
+        import psutil
+
+        try:
+            root = psutil.Process(p.pid)
+        except psutil.Error:
+            return
+        while not done.wait(0.05):
+            try:
+                procs = [root, *root.children(recursive=True)]
+                sampled[0] = max(sampled[0], sum(q.memory_info().rss for q in procs if q.is_running()))
+            except psutil.Error:
+                continue
+
+    sampler = threading.Thread(target=sample, daemon=True) if rss and rss_file is None else None
+    if sampler:
+        sampler.start()
+
+    def stop() -> None:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(p.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                p.wait(10)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        done.set()
+
+    try:
+        rc = p.wait(timeout)
+    except subprocess.TimeoutExpired:
+        stop()
+        raise
+    except BaseException:  # Ctrl-C: its own session would keep the command running
+        stop()
+        raise
+    finally:
+        done.set()
+        if sampler:
+            sampler.join(5)
+    peak = sampled[0] or None
+    if rss_file:
+        peak = parse_time_rss(Path(rss_file).read_text(errors="replace"))
+        Path(rss_file).unlink(missing_ok=True)
+    return rc, peak
+
+
+def parse_time_rss(text: str) -> int | None:
+    """Bytes from GNU time's `-f %M` output file (KiB on the last line; a line such as "Command
+    exited with non-zero status 1" may come first), or None."""
+    for line in reversed(text.strip().splitlines()):
+        if line.strip().isdigit():
+            return int(line.strip()) * 1024 or None
+    return None
 
 
 def tail(path: Path, n: int = 15) -> str:

@@ -109,8 +109,22 @@ def _ratio_cell(base: dict | None, peer: dict, key: str) -> str:
     return text
 
 
+def fmt_gib(n: float | None) -> str:
+    """A byte count as GiB for the peak-RSS columns ('-' when not measured)."""
+    return "-" if not n else f"{n / 2**30:.2f} GiB"
+
+
+def has_rss(rows: dict[str, dict]) -> bool:
+    """Whether any row of a table carries a measured peak RSS (the column is shown only then)."""
+    return any((r or {}).get("peak_rss_bytes") for r in rows.values() if isinstance(r, dict))
+
+
 def latency_table(shape_res: dict[str, dict]) -> str:
-    """Markdown table of one shape's batch-1 figures: rows from LATENCY_ROWS that were measured."""
+    """Markdown table of one shape's batch-1 figures: rows from LATENCY_ROWS that were measured,
+    with a peak RSS column when the run measured it (the process's "Maximum resident set size":
+    weights, KV cache, runtime; '-' for the fp32 row, whose process runs transformers too, and a
+    llama-bench run given two GGUFs)."""
+    rss = has_rss(shape_res)
     rows = []
     for key, engine, weights, vs in LATENCY_ROWS:
         r = shape_res.get(key)
@@ -120,9 +134,81 @@ def latency_table(shape_res: dict[str, dict]) -> str:
         pre, dec = r.get("prefill_tps"), r.get("decode_tps")
         cells = [_ratio_cell(base, r, k) if vs else "" for k in ("prefill_tps", "decode_tps")]
         ms = 1e3 / dec if dec else None
-        rows.append([engine, weights, pre, dec, ms, *cells, fmt_cpu(r.get("others_cpu"))])
+        rows.append([engine, weights, pre, dec, ms, *cells, *([fmt_gib(r.get("peak_rss_bytes"))] if rss else []),
+                     fmt_cpu(r.get("others_cpu"))])
     return md_table(["engine", "weights", "prefill tok/s", "decode tok/s", "decode ms/token",
-                     "Strata ÷ this, prefill", "Strata ÷ this, decode", "others' CPU"], rows)
+                     "Strata ÷ this, prefill", "Strata ÷ this, decode", *(["peak RSS"] if rss else []),
+                     "others' CPU"], rows)
+
+
+# the depth part's comparisons: (Strata row, peer row, label); the peer of the last is Strata itself
+DEPTH_PAIRS = (
+    ("strata_bf16", "llama_f16", "bf16 KV vs f16"),
+    ("strata_int8", "llama_q8_0", "int8 KV vs q8_0"),
+)
+DEPTH_GAIN = ("strata_int8", "strata_bf16", "llama_q8_0", "llama_f16")  # int8 ÷ bf16, q8_0 ÷ f16
+KV_GAIN_TARGET = 1.4  # Strata's int8 KV ÷ bf16 KV decode at the deepest context (issue 43)
+
+
+def depth_label(depth: int | str) -> str:
+    """4096 -> '4k', 16384 -> '16k', 0 -> '0' (the tables' names of the depths)."""
+    d = int(depth)
+    return f"{d // 1024}k" if d and d % 1024 == 0 else str(d)
+
+
+def depth_table(dr: dict) -> str:
+    """Markdown table of the depth part: per depth and KV format, Strata's and llama.cpp's decode
+    tok/s and the ratio (median of every round's, as the latency table), with peak RSS."""
+    rows = []
+    by = dr.get("by_depth") or {}
+    rss = any(has_rss(v) for v in by.values())
+    for dk in sorted(by, key=int):
+        res = by[dk]
+        for s_key, p_key, label in DEPTH_PAIRS:
+            s, p = res.get(s_key), res.get(p_key)
+            if not (s or p):
+                continue
+            cell = _ratio_cell(s, p, "decode_tps") if (s and p) else "-"
+            rows.append([f"depth {depth_label(dk)} decode, {label}", (s or {}).get("decode_tps"),
+                         (p or {}).get("decode_tps"), cell,
+                         *([fmt_gib((s or {}).get("peak_rss_bytes")), fmt_gib((p or {}).get("peak_rss_bytes"))]
+                           if rss else []),
+                         fmt_cpu(max((x for x in ((s or {}).get("others_cpu"), (p or {}).get("others_cpu"))
+                                      if x is not None), default=None))])
+    return md_table(["row", "Strata decode tok/s", "llama.cpp decode tok/s", "Strata ÷ llama.cpp",
+                     *(["Strata peak RSS", "llama.cpp peak RSS"] if rss else []), "others' CPU"], rows)
+
+
+def depth_gain_rows(dr: dict) -> list[dict]:
+    """Per depth: Strata's int8 KV ÷ bf16 KV decode and llama.cpp's q8_0 ÷ f16 (each the median of
+    every round's own ratio), and at the deepest depth whether Strata's meets KV_GAIN_TARGET."""
+    by = dr.get("by_depth") or {}
+    out = []
+    deepest = max(map(int, by), default=None)
+    s8, s16, l8, l16 = DEPTH_GAIN
+    for dk in sorted(by, key=int):
+        res = by[dk]
+        g = {"depth": int(dk),
+             "strata": latency_ratio(res[s8], res[s16], "decode_tps") if res.get(s8) and res.get(s16) else None,
+             "strata_rounds": round_ratios(res[s8], res[s16], "decode_tps") if res.get(s8) and res.get(s16) else [],
+             "llama": latency_ratio(res[l8], res[l16], "decode_tps") if res.get(l8) and res.get(l16) else None}
+        if int(dk) == deepest and int(dk) > 0 and g["strata"] is not None:
+            g["target"] = KV_GAIN_TARGET
+            g["met"] = g["strata"] >= KV_GAIN_TARGET
+        out.append(g)
+    return out
+
+
+def depth_gain_table(dr: dict) -> str:
+    rows = []
+    for g in depth_gain_rows(dr):
+        each = g["strata_rounds"]
+        cell = fmt_ratio(g["strata"]) + (f" (rounds {', '.join(f'{r:.2f}' for r in each)})" if len(each) > 1 else "")
+        target = ""
+        if "target" in g:
+            target = f">= {g['target']:.2f}x: {'met' if g['met'] else '**not met**'}"
+        rows.append([f"int8 KV / bf16 KV at {depth_label(g['depth'])}", cell, fmt_ratio(g["llama"]), target])
+    return md_table(["row", "Strata int8 ÷ bf16 KV, decode", "llama.cpp q8_0 ÷ f16 KV, decode", "target"], rows)
 
 
 THROUGHPUT_ROWS = (
@@ -209,6 +295,18 @@ def findings(res: dict) -> list[str]:
                 for k, what in (("prefill_tps", "prefill tok/s"), ("decode_tps", "decode tok/s")):
                     add(f"{shape} batch-1 {what}, {engine} {weights.split(' (')[0]}",
                         latency_ratio(sr[vs], sr[key], k), won=row_won(sr[vs], sr[key], k))
+    for shape, dr in (res.get("depth") or {}).items():
+        for dk, dres in sorted((dr.get("by_depth") or {}).items(), key=lambda kv: int(kv[0])):
+            for s_key, p_key, label in DEPTH_PAIRS:
+                if dres.get(s_key) and dres.get(p_key):
+                    add(f"{shape} batch-1 decode at depth {depth_label(dk)}, {label}",
+                        latency_ratio(dres[s_key], dres[p_key], "decode_tps"),
+                        won=row_won(dres[s_key], dres[p_key], "decode_tps"))
+        for g in depth_gain_rows(dr):
+            if "target" in g:
+                text = (f"{shape} int8 KV ÷ bf16 KV decode at depth {depth_label(g['depth'])}: "
+                        f"{g['strata']:.2f}x (target >= {g['target']:.2f}x)")
+                (wins if g["met"] else losses).append(text)
     for shape, tp in (res.get("throughput") or {}).items():
         for key, engine, _how, vs, r in throughput_rows(tp):
             if vs and tp.get(vs):

@@ -299,3 +299,220 @@ def test_a_row_is_won_only_with_its_median_at_1x_and_no_round_below_095x():
     assert tables.row_won(*row(1.02, 0.94, 1.10), "decode_tps") is False  # one round under 0.95x
     assert tables.row_won(*row(0.99, 0.98, 1.10), "decode_tps") is False  # median under 1.0x
     assert tables.row_won({"decode_tps": 110.0}, {"decode_tps": 100.0}, "decode_tps") is True  # one round
+
+
+# ----------------------------------------------------------------------------------------------
+# the big shapes, peak RSS and the depth rows (issue 43, item 2)
+
+
+def test_shape_selection_and_the_big_shapes_plans():
+    settings, parts, pipeline = _peers("settings"), _peers("parts"), _peers("pipeline")
+    assert set(settings.DEFAULT_SHAPES) <= set(settings.ALL_SHAPES)
+    assert "llama-3.2-3b" in settings.DEFAULT_SHAPES and "llama-3.1-8b" not in settings.DEFAULT_SHAPES  # opt-in
+    assert settings.parse_shapes("qwen-0.5b, llama-3.2-3b,qwen-0.5b") == ["qwen-0.5b", "llama-3.2-3b"]
+    with pytest.raises(ValueError, match="llama-9b"):
+        settings.parse_shapes("smol-135m,llama-9b")
+    assert settings.parse_depths("16k,0,4096,4k") == [0, 4096, 16384]
+    with pytest.raises(ValueError):
+        settings.parse_depths("-1")
+    # GGUFs: the small shapes every type; the 3B bf16 + llama-quantize's q8_0 / q4_0 from it; the 8B
+    # q4_0 alone, its bf16 GGUF an intermediate that is deleted
+    assert settings.gguf_types("qwen-0.5b") == settings.GGUF_TYPES
+    assert settings.gguf_plan("llama-3.2-3b") == (("bf16",), {"q8_0": "bf16", "q4_0": "bf16"}, ())
+    assert settings.gguf_plan("llama-3.1-8b") == (("bf16",), {"q4_0": "bf16"}, ("bf16",))
+    assert settings.gguf_types("llama-3.1-8b") == ("q4_0",)
+    assert "llama-3.1-8b" not in settings.DEPTH_CAPABLE and "qwen-0.5b" in settings.DEPTH_CAPABLE
+    # rows per shape: the big ones no fp32 / transformers row, one GGUF per Strata format
+    pairs = {s: [(tag, types) for tag, _, types in parts.latency_pairs(s, settings.gguf_types(s))]
+             for s in settings.ALL_SHAPES}
+    assert pairs["qwen-0.5b"] == [(t, ty) for t, _, ty in parts.LATENCY_PAIRS]
+    assert pairs["llama-3.2-3b"] == [("bf16", ("bf16",)), ("int8", ("q8_0",)), ("int4", ("q4_0",))]
+    assert pairs["llama-3.1-8b"] == [("int4", ("q4_0",))]
+    # the big shapes' own tokens, repetitions and rounds
+    args = pipeline.argparse.Namespace(latency_rounds=3, big_latency_rounds=2)
+    small, big = parts.latency_plan("qwen-0.5b", settings.FULL, args), parts.latency_plan("llama-3.2-3b", settings.FULL, args)
+    assert (small["lat_out"], small["rounds"], small["repeats"]) == (128, 3, settings.STRATA_REPEATS)
+    assert (big["lat_out"], big["rounds"], big["bench_reps"], big["repeats"]) == (64, 2, 2, 2)
+
+
+def test_selection_of_parts_and_shapes_from_the_command_line():
+    peers, pipeline = _peers("peers"), _peers("pipeline")
+    a = peers.parse_args([])
+    parts, lat, depth, load = pipeline.selection(a)
+    assert parts == ["latency", "depth", "throughput", "serving"]
+    assert lat == ["smol-135m", "qwen-0.5b", "llama-3.2-3b"] and depth == ["qwen-0.5b"] and load == ["smol-135m"]
+    assert a.depth_rounds == 1 and a.big_latency_rounds == 2 and a.depth_bracket is False and a.depths is None
+    a = peers.parse_args(["--only", "latency", "--shapes", "llama-3.1-8b"])
+    assert pipeline.selection(a) == (["latency"], ["llama-3.1-8b"], [], [])
+    a = peers.parse_args(["--only", "depth,serving"])
+    assert pipeline.selection(a) == (["depth", "serving"], [], ["qwen-0.5b"], ["smol-135m"])
+    for bad in (["--shapes", "llama-9b"], ["--depth-shapes", "llama-3.1-8b"], ["--load-shapes", "llama-3.2-3b"],
+                ["--depths", "4k,x"], ["--depth-rounds", "0"], ["--only", "depthx"]):
+        with pytest.raises(SystemExit):
+            peers.parse_args(bad)
+
+
+def test_peak_rss_of_a_command_is_its_own_not_this_process(tmp_path):
+    runner = _peers("runner")
+    assert runner.parse_time_rss("Command exited with non-zero status 3\n1504\n") == 1504 * 1024
+    assert runner.parse_time_rss("") is None
+    ballast = bytearray(200 * 2**20)  # this process: +200 MiB, which a forked child's ru_maxrss would count
+    child = "import time; x = bytearray(64 * 2**20); time.sleep(0.5)"  # long enough for psutil's samples too
+    rc, peak = runner.run_measured([sys.executable, "-c", child], None, None, 60)
+    assert rc == 0 and peak is not None and 64 * 2**20 < peak < 190 * 2**20
+    rc, _ = runner.run_measured(["sh", "-c", "exit 3"], None, None, 60)
+    assert rc == 3
+    with pytest.raises(runner.subprocess.TimeoutExpired):
+        runner.run_measured(["sleep", "30"], None, None, 0.5)
+    del ballast
+
+
+def _rss_rows():
+    return {
+        "strata_int4": {"prefill_tps": 50.0, "decode_tps": 12.0, "peak_rss_bytes": 3 * 2**30,
+                        "round_figures": [{"decode_tps": 12.0}, {"decode_tps": 13.0}]},
+        "llama_q4_0": {"prefill_tps": 60.0, "decode_tps": 10.0, "peak_rss_bytes": int(2.5 * 2**30),
+                       "round_figures": [{"decode_tps": 10.0, "decode_steady": True},
+                                         {"decode_tps": 13.0, "decode_steady": True}]},
+    }
+
+
+def test_latency_table_shows_peak_rss_only_when_measured():
+    tables, parts = _peers("tables"), _peers("parts")
+    sr = _rss_rows()
+    t = tables.latency_table(sr).splitlines()
+    assert "| peak RSS |" in t[0]
+    assert "| 3.00 GiB |" in next(r for r in t if r.startswith("| **Strata** | int4"))
+    q4 = next(r for r in t if "q4_0" in r)
+    assert "| 2.50 GiB |" in q4 and "1.10x (rounds 1.20, 1.00)" in q4  # median of every round's ratio
+    assert "peak RSS" not in tables.latency_table({k: {f: v for f, v in r.items() if f != "peak_rss_bytes"}
+                                                   for k, r in sr.items()})
+    # across rounds the peak is the highest one, rates the median
+    merged = parts.median_rounds([{"strata_int4": {"decode_tps": 10.0, "peak_rss_bytes": 100}},
+                                  {"strata_int4": {"decode_tps": 14.0, "peak_rss_bytes": 300}},
+                                  {"strata_int4": {"decode_tps": 12.0}}])
+    assert merged["strata_int4"]["peak_rss_bytes"] == 300 and merged["strata_int4"]["decode_tps"] == 12.0
+
+
+def _depth_result():
+    """A fake depth part: two rounds at 0 / 4k / 16k; Strata's int8 KV gains with depth."""
+    parts = _peers("parts")
+    strata = {0: (30.0, 30.5), 4096: (20.0, 21.0), 16384: (10.0, 15.0)}  # bf16 KV, int8 KV
+    llama = {0: (28.0, 28.0), 4096: (22.0, 24.0), 16384: (9.0, 12.0)}  # f16 KV, q8_0 KV
+    rounds = []
+    for r, scale in enumerate((1.0, 1.1)):
+        got = {}
+        for d in strata:
+            got[str(d)] = {
+                "strata_bf16": {"decode_tps": strata[d][0] * scale, "peak_rss_bytes": 2**30 + r},
+                "strata_int8": {"decode_tps": strata[d][1] * scale * (1.0 if r == 0 else 1.2), "peak_rss_bytes": 2**30},
+                "llama_f16": {"decode_tps": llama[d][0], "decode_tps_runs": [llama[d][0]] * 2,
+                              "peak_rss_bytes": 2**29},
+                "llama_q8_0": {"decode_tps": llama[d][1], "decode_tps_runs": [llama[d][1]] * 2},
+            }
+        rounds.append(got)
+    return {"depths": [0, 4096, 16384], "output_len": 64, "rounds": 2, "llama_flags": ["-fa", "on"],
+            "by_depth": {d: parts.median_rounds([g[d] for g in rounds]) for d in ("0", "4096", "16384")}}
+
+
+def test_depth_tables_ratios_and_the_int8_kv_target():
+    tables = _peers("tables")
+    dr = _depth_result()
+    t = tables.depth_table(dr).splitlines()
+    assert t[0].startswith("| row | Strata decode tok/s | llama.cpp decode tok/s | Strata ÷ llama.cpp |")
+    assert "Strata peak RSS" in t[0]
+    row = next(r for r in t if r.startswith("| depth 16k decode, bf16 KV vs f16"))
+    assert f"{(10 / 9 + 11 / 9) / 2:.2f}x (rounds {10 / 9:.2f}, {11 / 9:.2f})" in row  # every round, median
+    assert "| 0.50 GiB |" in row and "| 1.00 GiB |" in row
+    assert [r.split(" |")[0] for r in t[2:]] == [
+        "| depth 0 decode, bf16 KV vs f16", "| depth 0 decode, int8 KV vs q8_0",
+        "| depth 4k decode, bf16 KV vs f16", "| depth 4k decode, int8 KV vs q8_0",
+        "| depth 16k decode, bf16 KV vs f16", "| depth 16k decode, int8 KV vs q8_0"]
+    gains = tables.depth_gain_rows(dr)
+    assert [g["depth"] for g in gains] == [0, 4096, 16384]
+    deep = gains[-1]
+    assert deep["strata_rounds"] == pytest.approx([1.5, 1.8])  # int8 ÷ bf16 per round
+    assert deep["strata"] == pytest.approx(1.65) and deep["llama"] == pytest.approx(12 / 9)
+    assert deep["met"] is True and "target" not in gains[0] and "target" not in gains[1]
+    g = tables.depth_gain_table(dr)
+    assert "| int8 KV / bf16 KV at 16k | 1.65x (rounds 1.50, 1.80) | 1.33x | >= 1.40x: met |" in g
+    # under the target: said so, and a finding of its own among Strata's losses
+    dr["by_depth"]["16384"]["strata_int8"]["round_figures"] = [{"decode_tps": 11.0}, {"decode_tps": 12.0}]
+    assert "**not met**" in tables.depth_gain_table(dr)
+    f = tables.findings({"depth": {"qwen-0.5b": dr}})
+    assert any(x.startswith("Strata behind: qwen-0.5b int8 KV ÷ bf16 KV decode at depth 16k") for x in f)
+    assert any("qwen-0.5b batch-1 decode at depth 16k, bf16 KV vs f16" in x for x in f)
+
+
+def test_markdown_has_the_big_shape_note_and_the_depth_section():
+    report = _peers("report")
+    res = {"date": "2026-01-01", "workload": {"lat_in": 128, "lat_out": 128},
+           "latency": {"llama-3.2-3b": dict(_rss_rows(), workload={"lat_in": 128, "lat_out": 64, "bench_reps": 2,
+                                                                 "repeats": 2, "rounds": 2})},
+           "depth": {"qwen-0.5b": dict(_depth_result(), model_dir="$PEERS/models/qwen-0.5b-ctx32768")},
+           "commands": []}
+    md = report.render_markdown(res)
+    assert "### llama-3.2-3b" in md and "64 output tokens" in md and "Maximum resident set size" in md
+    assert "## Decode at context depth" in md and "$PEERS/models/qwen-0.5b-ctx32768" in md
+    assert "int8 KV / bf16 KV at 16k" in md and "-fa on" in md
+    assert "--output-len 64 --warmup 1 --repeats 1" in md and "run once, right before Strata's" in md
+    res["depth"]["qwen-0.5b"]["llama_bracketed"] = True  # --depth-bracket
+    assert "run right before and after Strata's" in report.render_markdown(res)
+
+
+def test_merge_previous_keeps_the_depth_part_and_big_shapes(tmp_path):
+    report = _peers("report")
+    prev = {"date": "2026-01-01", "quick": False,
+            "latency": {"llama-3.2-3b": {"strata_int4": {}}, "qwen-0.5b": {}},
+            "depth": {"qwen-0.5b": {"by_depth": {}}}, "throughput": {}, "serving": {},
+            "commands": [{"part": "depth", "cmd": "strata bench latency --model $PEERS/models/qwen-0.5b-ctx32768"},
+                         {"part": "latency", "cmd": "llama-bench -m $PEERS/gguf/0.3.36/llama-3.2-3b-q4_0.gguf"}]}
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(prev))
+    new = {"date": "2026-02-02", "quick": False, "parts": ["latency"], "commands": [],
+           "latency": {"qwen-0.5b": {}}, "depth": {}, "throughput": {}, "serving": {}}
+    report.merge_previous(new, path, ["qwen-0.5b"], [], [])
+    assert new["depth"]["qwen-0.5b"]["measured_on"] == "2026-01-01"
+    assert new["latency"]["llama-3.2-3b"]["measured_on"] == "2026-01-01"
+    parts = sorted(c["part"] for c in new["commands"])
+    assert parts == ["depth (from the run of 2026-01-01)", "latency (from the run of 2026-01-01)"]
+    # this run measured the depth part: the old one is not kept
+    new2 = {"date": "2026-02-02", "quick": False, "parts": ["depth"], "commands": [],
+            "latency": {}, "depth": {"qwen-0.5b": {"by_depth": {"0": {}}}}, "throughput": {}, "serving": {}}
+    report.merge_previous(new2, path, [], [], ["qwen-0.5b"])
+    assert new2["depth"]["qwen-0.5b"]["by_depth"] == {"0": {}}
+    assert not any(c["part"].startswith("depth") for c in new2["commands"])
+    assert report._names_shape("-m $PEERS/gguf/0.3.36/qwen-0.5b-f32.gguf", "qwen-0.5b")
+    assert not report._names_shape("--random-model qwen-0.5bx", "qwen-0.5b")
+
+
+def test_convert_makes_each_gguf_once_and_deletes_the_8b_intermediate(tmp_path, monkeypatch):
+    """convert() with a fake runner: the 8B shape's bf16 GGUF is made, quantised to q4_0 and deleted;
+    a second call makes nothing (q4_0 exists, so the 16 GB bf16 GGUF is not converted again)."""
+    import types
+
+    import strata.demo.random_models as rm
+
+    conv = _peers("convert")
+    monkeypatch.setattr(rm, "random_model_path", lambda shape: tmp_path / f"random-{shape}")
+    ran: list[str] = []
+
+    def run(part, name, cmd, timeout=0, env=None, **kw):
+        ran.append(name)
+        out = Path(cmd[cmd.index("--outfile") + 1]) if "--outfile" in cmd else Path(cmd[2])
+        out.write_text(name)
+        return ""
+
+    ctx = types.SimpleNamespace(cache=tmp_path, args=types.SimpleNamespace(llama_cpp_python="0.0", threads=2),
+                                run=run, python=sys.executable, bin_dir=tmp_path / "bin")
+    monkeypatch.setattr(conv, "converter_env", lambda ctx: {})
+    got = conv.convert(ctx, tmp_path / "llama.cpp", ["llama-3.1-8b", "llama-3.2-3b"])
+    assert ran == ["convert-llama-3.1-8b-bf16", "quantize-llama-3.1-8b-q4_0", "convert-llama-3.2-3b-bf16",
+                   "quantize-llama-3.2-3b-q8_0", "quantize-llama-3.2-3b-q4_0"]
+    gdir = tmp_path / "gguf" / "0.0"
+    assert set(got["llama-3.1-8b"]) == {"q4_0"} and not (gdir / "llama-3.1-8b-bf16.gguf").exists()
+    assert set(got["llama-3.2-3b"]) == {"bf16", "q8_0", "q4_0"}
+    assert all(p.is_file() for files in got.values() for p in files.values())
+    ran.clear()
+    assert conv.convert(ctx, tmp_path / "llama.cpp", ["llama-3.1-8b", "llama-3.2-3b"]) == got
+    assert ran == []
