@@ -177,20 +177,18 @@ def run_measured(cmd: list[str], stdout: Any, stderr: Any, timeout: float, cwd: 
 
     try:
         rc = p.wait(timeout)
-    except subprocess.TimeoutExpired:
-        stop()
-        raise
-    except BaseException:  # Ctrl-C: its own session would keep the command running
+        peak = sampled[0] or None
+        if rss_file:
+            peak = parse_time_rss(Path(rss_file).read_text(errors="replace"))
+    except BaseException:  # a timeout, or Ctrl-C: its own session would keep the command running
         stop()
         raise
     finally:
         done.set()
         if sampler:
             sampler.join(5)
-    peak = sampled[0] or None
-    if rss_file:
-        peak = parse_time_rss(Path(rss_file).read_text(errors="replace"))
-        Path(rss_file).unlink(missing_ok=True)
+        if rss_file:
+            Path(rss_file).unlink(missing_ok=True)
     return rc, peak
 
 

@@ -362,8 +362,12 @@ def test_peak_rss_of_a_command_is_its_own_not_this_process(tmp_path):
     assert rc == 0 and peak is not None and 64 * 2**20 < peak < 190 * 2**20
     rc, _ = runner.run_measured(["sh", "-c", "exit 3"], None, None, 60)
     assert rc == 3
+    import tempfile
+
+    left = set(Path(tempfile.gettempdir()).glob("peers-rss-*"))
     with pytest.raises(runner.subprocess.TimeoutExpired):
         runner.run_measured(["sleep", "30"], None, None, 0.5)
+    assert set(Path(tempfile.gettempdir()).glob("peers-rss-*")) <= left  # GNU time's output file removed
     del ballast
 
 
