@@ -89,7 +89,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--depth-bracket", action="store_true",
                    help="in the depth part, run llama-bench before and after each Strata run (the mean of the "
                    "two, as the latency part does) instead of once before it: +1 llama.cpp prefill of each "
-                   "depth per row (4-6 min at 16k on 2 cores)")
+                   "depth per row (4-10 min at 16k on 2 cores)")
     p.add_argument("--load-shapes", default="smol-135m", help="shapes for the throughput and serving parts")
     p.add_argument("--quick", action="store_true",
                    help="tiny workloads, a smoke test; writes the report under the cache, not docs/")

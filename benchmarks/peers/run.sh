@@ -2,7 +2,7 @@
 # Peer benchmarks in one run: Strata vs llama.cpp vs transformers (entry point peers.py, next to this;
 # the logic in the modules beside it: pipeline, build, convert, parts, report, ...).
 #
-#   benchmarks/peers/run.sh                      # prepare (cached) + all parts, ~55 min on 2 cores
+#   benchmarks/peers/run.sh                      # prepare (cached) + all parts, ~60 min on 2 cores
 #   benchmarks/peers/run.sh --only latency --shapes llama-3.1-8b   # the 8B int4 row (opt-in)
 #   benchmarks/peers/run.sh --only depth         # decode at 0 / 4k / 16k context, bf16 vs int8 KV
 #   benchmarks/peers/run.sh --quick              # smoke run; report under the cache, not docs/
