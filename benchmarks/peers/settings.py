@@ -41,19 +41,21 @@ SMALL_SHAPES = ("smol-135m", "qwen-0.5b")  # fp32 single-file checkpoints: every
 # int4 alone (the precision a 2-core, 23 GiB machine would run it in).
 BIG_SHAPES = ("llama-3.2-3b", "llama-3.1-8b")
 ALL_SHAPES = (*SMALL_SHAPES, *BIG_SHAPES)
-# Default --shapes, sized to keep a full run (every part, defaults) near 50 min on the 2-core dev VM;
-# the 16k depth rows push the estimate to ~60 min. From the run in results.json (26.5 min: smol-135m latency 4.0, qwen-0.5b
-# latency 10.4, throughput + serving 11.6) and a --quick smoke of the new rows (2026-12-07: llama-3.2-3b
-# Strata runs 22-28 s each incl. load, llama-bench 3-8 s; llama-3.1-8b int4 Strata 40 s; qwen-0.5b at a
-# 16k context: one llama-bench run 234-247 s with f16 KV, > 9 min with q8_0 KV (stopped there; at 4k
-# q8_0 took 63 s to f16's 33 s), one Strata run 216 s = warm-up + timed, each a 16k prefill):
+# Default --shapes, sized to keep a full run (every part, defaults) near 50 min on the 2-core dev
+# VM; the 16k depth rows push the estimate to ~60 min. From the run in results.json (26.5 min:
+# smol-135m latency 4.0, qwen-0.5b latency 10.4, throughput + serving 11.6) and a --quick smoke of
+# the new rows (2026-12-07: llama-3.2-3b Strata runs 22-28 s each incl. load, llama-bench 3-8 s;
+# llama-3.1-8b int4 Strata 40 s; qwen-0.5b at a 16k context: one llama-bench run 234-247 s with
+# f16 KV, > 9 min with q8_0 KV (stopped there; at 4k q8_0 took 63 s to f16's 33 s), one Strata
+# run 216 s = warm-up + timed, each a 16k prefill):
 #   llama-3.2-3b latency, 2 rounds x (bf16 + int8 + int4), 64 output tokens, 2 repetitions: ~9 min
 #     (weights 6.4 GB bf16 = 6.5x qwen-0.5b's, 3.4 GB q8_0, 1.9 GB q4_0; decode is bandwidth-bound)
 #   depth part, qwen-0.5b at 0 / 4k / 16k, bf16 + int8 KV, 1 round, llama.cpp unbracketed: ~24 min,
 #     ~21 of them the four 16k rows (llama.cpp f16 ~4 min, q8_0 ~9-10 min, Strata ~3.6 min each)
 #   total ~60 min; `--big-latency-rounds 1` takes ~4.5 min off, `--depths 0,4k` ~21 min,
-#   `--depth-bracket` adds ~14 min and each further --depth-rounds ~24 min. llama-3.1-8b int4 is opt-in (`--shapes ...,llama-3.1-8b`):
-#   ~4.5 more min (2 rounds; 4.4 GB q4_0; Strata reads the 16 GB bf16 checkpoint each run).
+#   `--depth-bracket` adds ~14 min and each further --depth-rounds ~24 min.
+#   llama-3.1-8b int4 is opt-in (`--shapes ...,llama-3.1-8b`): ~4.5 more min (2 rounds; 4.4 GB
+#   q4_0; Strata reads the 16 GB bf16 checkpoint each run).
 DEFAULT_SHAPES = ("smol-135m", "qwen-0.5b", "llama-3.2-3b")
 # Strata formats measured per shape (parts.LATENCY_PAIRS' tags); the small shapes run all of them.
 BIG_PRECISIONS = {"llama-3.2-3b": ("bf16", "int8", "int4"), "llama-3.1-8b": ("int4",)}
