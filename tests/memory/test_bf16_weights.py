@@ -114,7 +114,6 @@ def test_dtype_bfloat16_runs_the_narrow_weight_kernels(llama, tmp_path):
     cache: the same engine, and the same tokens, as --quantization bf16 --kv-cache-dtype bfloat16
     (before, it ran torch's bf16 GEMV at half the speed)."""
     from strata import SamplingParams
-
     from strata.kernels import cpu_bf16
 
     if not cpu_bf16.available():
