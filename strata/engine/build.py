@@ -41,6 +41,7 @@ from strata.engine.scheduler import Scheduler
 from strata.engine.speculative import NgramProposer, Speculator
 from strata.errors import ConfigError, ModelLoadError
 from strata.graph.fusion import fuse_model
+from strata.graph.gguf_model import default_storage, gguf_files
 from strata.graph.hub import check_model_dir
 from strata.graph.loader import load_model
 from strata.graph.tensor_parallel import check_shardable, per_rank_config, shard_model
@@ -140,6 +141,19 @@ def sampling_defaults(model_dir: Path, gen: dict, source: str) -> dict:
         logger.info("sampling defaults from %s: %s (--generation-config vllm ignores them)",
                     model_dir / "generation_config.json" if source == "auto" else source, found)
     return found
+
+
+def gguf_storage(config: EngineConfig, path: Path) -> EngineConfig:
+    """A GGUF model with no --quantization: its projections in the format nearest the file's
+    (graph/gguf_model.default_storage); an explicit --quantization wins."""
+    if config.quantization is not None or gguf_files(path) is None:
+        return config
+    method, group, why = default_storage(path)
+    logger.info("%s", why + ("" if method is None else " (--quantization overrides)"))
+    if method is None:
+        return config
+    return dataclasses.replace(config, quantization=method,
+                               quantization_group_size=group or config.quantization_group_size)
 
 
 def resolve_dtype(name: str, device: str, checkpoint_dtype: torch.dtype, profile: HardwareProfile | None) -> torch.dtype:
@@ -368,6 +382,7 @@ def build_engine(config: EngineConfig, detokenize: bool = True, profile: Hardwar
 def _build(config: EngineConfig, ckpt: Checkpoint, detokenize: bool, threads: int, platform: Platform,
            workload: str, ranks, comm, control) -> EngineParts:
     cfg = ckpt.model_config
+    config = gguf_storage(config, ckpt.path)
     config = resolve_weight_storage(config, cfg.torch_dtype, platform.profile)
     dtype = resolve_dtype(config.dtype, config.device, cfg.torch_dtype, platform.profile)
     max_len = resolve_max_model_len(cfg, config.max_model_len)

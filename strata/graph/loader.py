@@ -22,6 +22,9 @@ import torch
 from torch import nn
 
 from strata.errors import ModelLoadError
+from strata.graph.gguf_file import GGUFFile
+from strata.graph.gguf_model import gguf_files, hf_name
+from strata.graph.gguf_weights import fill as gguf_fill
 from strata.graph.hub import check_model_dir
 from strata.graph.models.llama import CausalLM
 from strata.graph.safetensors_file import SafetensorsFile
@@ -219,6 +222,33 @@ def _fill(f: SafetensorsFile, name: str, target: _Target) -> None:
         write(a, f.read_rows(name, a, min(n, a + step)))
 
 
+def _fill_from_gguf(files: list[Path], targets: dict[str, _Target], cfg: ModelConfig, loaded: set[str],
+                    ignored: list[str]) -> None:
+    """The GGUF path of load_model: llama.cpp tensor names mapped to the targets' HF names."""
+    permuted = cfg.architecture in ("LlamaForCausalLM", "MistralForCausalLM")  # gguf_model.PERMUTED_QK
+    for file in files:
+        with GGUFFile(file) as g:
+            for name, info in g.tensors.items():
+                hf = hf_name(name)
+                target = targets.get(hf) if hf else None
+                if target is None:
+                    if name != "rope_freqs.weight":  # read into config.json's rope_scaling already
+                        ignored.append(name)
+                    continue
+                if info.shape != target.shape:
+                    raise ModelLoadError(
+                        f"{file.name}: tensor {name!r} has shape {list(info.shape)}, but the GGUF metadata "
+                        f"implies {list(target.shape)}; the file is inconsistent"
+                    )
+                heads = None
+                if permuted and hf.endswith(("q_proj.weight", "q_proj.bias")):
+                    heads = cfg.num_heads
+                elif permuted and hf.endswith(("k_proj.weight", "k_proj.bias")):
+                    heads = cfg.num_kv_heads
+                gguf_fill(g, info, target.module, target.attr, target.rows, heads)
+                loaded.add(hf)
+
+
 def load_model(
     path: str | Path, dtype: torch.dtype, device: str = "cpu", max_positions: int | None = None,
     storage: str | None = None, group_size: int = 64,
@@ -229,7 +259,8 @@ def load_model(
     "int8", "int4" with `group_size`), reached tensor by tensor as the weights are read."""
     path = check_model_dir(path)
     cfg = ModelConfig.from_file(path / "config.json")
-    files = weight_files(path)
+    ggufs = gguf_files(path)
+    files = ggufs or weight_files(path)
     check_weights_fit(cfg, dtype, device, max_positions, path, storage, group_size)
     with torch.device("meta"):
         model = CausalLM(cfg, max_positions)
@@ -245,7 +276,9 @@ def load_model(
     loaded: set[str] = set()
     ignored: list[str] = []
     with torch.no_grad():
-        for file in files:
+        if ggufs:
+            _fill_from_gguf(ggufs, targets, cfg, loaded, ignored)
+        for file in [] if ggufs else files:
             with SafetensorsFile(file) as f:
                 for name in f.names():
                     target = targets.get(name)

@@ -1,0 +1,268 @@
+"""A GGUF model as Strata sees any model: a directory with config.json and a tokenizer.
+
+`gguf_model_dir(path)` parses the file(s) (graph/gguf_file.py: bounds-checked), turns the
+metadata into an HF-style config.json and the tokenizer into tokenizer.json +
+tokenizer_config.json (protocol/gguf_tokenizer.py), and writes them with `strata_gguf.json`
+(which files hold the weights) into a small directory under $STRATA_CACHE/gguf, keyed on the
+files' paths, sizes and modification times. Every part of Strata that reads a model directory
+(the engine, the server's tokenizer process, tensor-parallel workers, `strata plan`) then works
+unchanged; the weights stay in the GGUF and graph/loader.py reads them from there.
+
+Tensor names are llama.cpp's (`blk.N.attn_q.weight`, ...), mapped here to the HF names the
+loader's targets use. llama.cpp's converter permutes the rows of Llama's (and Mistral's) q and
+k projections for its rotary layout (convert_hf_to_gguf.py, LlamaModel.permute); `unpermute_rows`
+gives the row order back. Qwen2/Qwen3 are stored unpermuted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import tempfile
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from strata.config import cache_root
+from strata.errors import ModelLoadError
+from strata.graph.gguf_file import GGUFFile, TensorInfo, split_files
+
+logger = logging.getLogger(__name__)
+
+POINTER = "strata_gguf.json"  # in a derived directory: the GGUF files that hold its weights
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+PERMUTED_QK = ("llama",)  # architectures whose q/k rows llama.cpp's converter permutes
+
+_LAYER = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias", "attn_output.bias": "self_attn.o_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+           "output.weight": "lm_head.weight"}
+
+
+def hf_name(name: str) -> str | None:
+    """The HF checkpoint name of a llama.cpp tensor name (None: not one the loader fills)."""
+    if name in _GLOBAL:
+        return _GLOBAL[name]
+    parts = name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER:
+        return f"model.layers.{parts[1]}.{_LAYER[parts[2]]}"
+    return None
+
+
+def unpermute_rows(rows: int, heads: int) -> np.ndarray:
+    """Row order that undoes llama.cpp's q/k permutation: HF row r is GGUF row order[r]."""
+    head_dim = rows // heads
+    gguf_order = np.arange(rows).reshape(heads, 2, head_dim // 2).swapaxes(1, 2).reshape(-1)
+    # the converter wrote GGUF row i = HF row gguf_order[i]; invert it
+    order = np.empty(rows, np.int64)
+    order[gguf_order] = np.arange(rows)
+    return order
+
+
+def _get(meta: dict[str, Any], key: str, source: str, kind: type | tuple = int, default: Any = ...) -> Any:
+    if key not in meta:
+        if default is ...:
+            raise ModelLoadError(f"{source}: GGUF metadata has no {key!r}; the file is incomplete "
+                                 "(re-convert it with llama.cpp's convert_hf_to_gguf.py)")
+        return default
+    value = meta[key]
+    if not isinstance(value, kind) or isinstance(value, bool) and kind is int:
+        raise ModelLoadError(f"{source}: GGUF metadata {key!r} = {str(value)[:80]!r} is not a {kind}")
+    return value
+
+
+def _llama3_rope(freqs: np.ndarray, theta: float, rotary_dim: int, source: str) -> dict[str, Any]:
+    """Llama 3.1's rope_scaling from the per-frequency divisors llama.cpp stores as rope_freqs
+    (convert_hf_to_gguf.py computes them from factor, low/high_freq_factor and the original
+    context): the common parameter sets are tried and the one that reproduces the tensor kept."""
+    inv_freq = 1.0 / theta ** (np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim)
+    wavelen = 2 * math.pi / inv_freq
+    factor = float(freqs.max())
+    candidates = [(low, high, 1 << k) for low, high in ((1.0, 4.0), (1.0, 2.0), (2.0, 4.0)) for k in range(4, 21)]
+    for low, high, original in candidates:
+        low_wl, high_wl = original / low, original / high
+        smooth = (original / wavelen - low) / (high - low)
+        want = np.where(wavelen < high_wl, 1.0, np.where(wavelen > low_wl, factor, 1.0 / ((1 - smooth) / factor + smooth)))
+        if freqs.shape == want.shape and np.allclose(freqs, want, rtol=1e-4):
+            return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
+                    "original_max_position_embeddings": original}
+    raise ModelLoadError(f"{source}: the rope_freqs tensor (per-frequency rope divisors) matches no Llama 3 "
+                         "rope_scaling Strata knows; load the original safetensors checkpoint instead")
+
+
+def hf_config(meta: dict[str, Any], tensors: dict[str, TensorInfo], rope_freqs: np.ndarray | None,
+              source: str) -> dict[str, Any]:
+    """An HF config.json dict for the GGUF metadata (ModelConfig.from_dict then checks it)."""
+    arch = _get(meta, "general.architecture", source, str)
+    if arch not in ARCHITECTURES:
+        raise ModelLoadError(f"{source}: GGUF architecture {arch!r} is not supported yet; Strata loads GGUF "
+                             f"architectures {', '.join(ARCHITECTURES)} (use the safetensors checkpoint "
+                             "for others)")
+    a = arch + "."
+    heads = _get(meta, a + "attention.head_count", source)
+    hidden = _get(meta, a + "embedding_length", source)
+    vocab = meta.get(a + "vocab_size") or len(meta.get("tokenizer.ggml.tokens") or []) or tensors["token_embd.weight"].shape[0]
+    cfg: dict[str, Any] = {
+        "architectures": [ARCHITECTURES[arch]],
+        "hidden_size": hidden,
+        "intermediate_size": _get(meta, a + "feed_forward_length", source),
+        "num_hidden_layers": _get(meta, a + "block_count", source),
+        "num_attention_heads": heads,
+        "num_key_value_heads": _get(meta, a + "attention.head_count_kv", source, int, heads),
+        "rms_norm_eps": _get(meta, a + "attention.layer_norm_rms_epsilon", source, float),
+        "rope_theta": float(_get(meta, a + "rope.freq_base", source, (int, float), 10000.0)),
+        "max_position_embeddings": _get(meta, a + "context_length", source),
+        "vocab_size": vocab,
+        "tie_word_embeddings": "output.weight" not in tensors,
+        # the embedding's own float type; a quantised one dequantizes exactly only to fp32
+        "torch_dtype": {"F16": "float16", "BF16": "bfloat16"}.get(tensors["token_embd.weight"].type.name, "float32"),
+    }
+    head_dim = meta.get(a + "attention.key_length")
+    if head_dim and head_dim != hidden // heads:
+        cfg["head_dim"] = head_dim
+    for key, hf in (("tokenizer.ggml.bos_token_id", "bos_token_id"), ("tokenizer.ggml.eos_token_id", "eos_token_id")):
+        if isinstance(meta.get(key), int):
+            cfg[hf] = meta[key]
+    scaling = meta.get(a + "rope.scaling.type")
+    if scaling == "linear":
+        cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(_get(meta, a + "rope.scaling.factor", source, (int, float)))}
+    elif scaling == "yarn":
+        cfg["rope_scaling"] = {
+            "rope_type": "yarn", "factor": float(_get(meta, a + "rope.scaling.factor", source, (int, float))),
+            "original_max_position_embeddings": _get(meta, a + "rope.scaling.original_context_length", source),
+        }
+    elif scaling not in (None, "none"):
+        raise ModelLoadError(f"{source}: GGUF rope scaling type {scaling!r} is not supported (linear, yarn)")
+    if rope_freqs is not None:
+        rotary = meta.get(a + "rope.dimension_count") or cfg.get("head_dim") or hidden // heads
+        cfg["rope_scaling"] = _llama3_rope(rope_freqs, cfg["rope_theta"], rotary, source)
+    return cfg
+
+
+def _key(files: list[Path]) -> str:
+    h = hashlib.sha256()
+    for f in files:
+        st = f.stat()
+        h.update(f"{f.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
+    return h.hexdigest()[:16]
+
+
+def read_gguf(files: list[Path]) -> tuple[dict[str, Any], dict[str, TensorInfo]]:
+    """Metadata (the first file's) and every tensor of a single or split GGUF model."""
+    metadata: dict[str, Any] = {}
+    tensors: dict[str, TensorInfo] = {}
+    for i, f in enumerate(files):
+        with GGUFFile(f) as g:
+            if i == 0:
+                metadata = g.metadata
+            for name, info in g.tensors.items():
+                if name in tensors:
+                    raise ModelLoadError(f"{f}: tensor {name!r} is also in {tensors[name].path.name}")
+                tensors[name] = info
+    return metadata, tensors
+
+
+def find_gguf(directory: Path) -> Path | None:
+    """The GGUF model file in a directory with no config.json (the first part of a split); None if
+    it has none; more than one model is an error naming them."""
+    ggufs = sorted(p for p in directory.glob("*.gguf") if p.is_file())
+    models = [p for p in ggufs if "-of-" not in p.name or "-00001-of-" in p.name]
+    if not models:
+        return None
+    if len(models) > 1:
+        raise ModelLoadError(f"{directory}: holds {len(models)} GGUF models ({', '.join(p.name for p in models)}); "
+                             "pass --model with the one file to load")
+    return models[0]
+
+
+def gguf_model_dir(path: Path) -> Path:
+    """The derived model directory of a .gguf file (made on first use, reused while the file is
+    unchanged)."""
+    files = split_files(path)
+    out = cache_root() / "gguf" / f"{path.stem.split('-00001-of-')[0]}-{_key(files)}"
+    if (out / POINTER).is_file():
+        return out
+    metadata, tensors = read_gguf(files)
+    source = str(path)
+    for name in ("token_embd.weight",):
+        if name not in tensors:
+            raise ModelLoadError(f"{source}: GGUF has no {name!r} tensor; not a complete model")
+    rope_freqs = None
+    if "rope_freqs.weight" in tensors:
+        info = tensors["rope_freqs.weight"]
+        if info.type.name != "F32":
+            raise ModelLoadError(f"{source}: rope_freqs.weight is {info.type.name}, expected F32")
+        with GGUFFile(info.path) as g:
+            rope_freqs = g.read(info, 0, 1).view(np.float32).reshape(-1).astype(np.float64)
+    config = hf_config(metadata, tensors, rope_freqs, source)
+    files_text = {}
+    if "tokenizer.ggml.model" in metadata:
+        from strata.protocol.gguf_tokenizer import tokenizer_files  # only a GGUF load needs it
+
+        files_text = tokenizer_files(metadata, source)
+    else:
+        logger.warning("%s: the GGUF has no tokenizer (tokenizer.ggml.model): only token-id prompts will work", source)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    for name, text in files_text.items():
+        (tmp / name).write_text(text)
+    types = Counter(t.type.name for n, t in tensors.items() if n.startswith("blk.") and len(t.shape) == 2)
+    pointer = {"files": [str(f.resolve()) for f in files], "projection_types": dict(types.most_common())}
+    (tmp / POINTER).write_text(json.dumps(pointer, indent=2))
+    try:
+        os.rename(tmp, out)
+    except OSError:  # another process made it first
+        for f in tmp.iterdir():
+            f.unlink()
+        tmp.rmdir()
+    logger.info("%s: GGUF %s, %d tensors (%s); config and tokenizer in %s", path.name, metadata.get("general.architecture"),
+                len(tensors), ", ".join(sorted({t.type.name for t in tensors.values()})), out)
+    return out
+
+
+def gguf_files(directory: Path) -> list[Path] | None:
+    """The GGUF files behind a derived directory, or None for an ordinary model directory."""
+    pointer = directory / POINTER
+    if not pointer.is_file():
+        return None
+    files = [Path(f) for f in json.loads(pointer.read_text())["files"]]
+    for f in files:
+        if not f.is_file():
+            raise ModelLoadError(f"{directory}: its GGUF file {f} is gone; pass --model the file again")
+    return files
+
+
+# The weight storage a GGUF file's projections are served in when --quantization is not given:
+# the Strata format that holds the file's values best (Q4_0 exactly; the others requantised).
+_STORAGE = {"Q4_0": ("int4", 32), "Q4_1": ("int4", 32), "Q5_0": ("int8", 0), "Q5_1": ("int8", 0),
+            "Q4_K": ("int4", 32), "Q5_K": ("int8", 0), "Q6_K": ("int8", 0), "Q8_0": ("int8", 0),
+            "BF16": ("bf16", 0)}  # F16 / F32: as they are (F16 in bf16 would lose 3 mantissa bits)
+
+
+def default_storage(directory: Path) -> tuple[str | None, int, str]:
+    """(quantization, group size, why) for a derived GGUF directory's most common projection type;
+    (None, 0, ...) for F32 / F16 weights (served in --dtype)."""
+    pointer = json.loads((directory / POINTER).read_text())
+    types = pointer.get("projection_types") or {}
+    main = max(types, key=types.get) if types else "F32"
+    method, group = _STORAGE.get(main, (None, 0))
+    exact = main in ("Q4_0", "BF16", "F16", "F32")
+    why = (f"GGUF projections {', '.join(f'{k} x{v}' for k, v in types.items())}: served as "
+           f"{method or 'float32'}{f' group {group}' if group else ''}"
+           f"{'' if exact else ' (requantised from ' + main + ': close to, not bit-equal to, the file)'}")
+    return method, group, why

@@ -1,0 +1,135 @@
+"""GGUF models (issue 44): tiny files written with the `gguf` package's writer load and compute the
+logits of transformers on the weights the file dequantizes to (gguf.quants.dequantize)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+from strata.graph.gguf_model import gguf_files, unpermute_rows
+from strata.graph.hub import check_model_dir
+from strata.graph.loader import load_model
+from tests.graph.gguf_writer import write_gguf
+
+ATOL = 1e-4
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("STRATA_CACHE", str(tmp_path / "cache"))
+
+
+def _reference_logits(tiny, reference: dict[str, torch.Tensor], ids: list[int]) -> torch.Tensor:
+    """transformers' logits with the file's dequantized weights swapped in (restored after)."""
+    hf = tiny.hf
+    saved = {k: v.clone() for k, v in hf.state_dict().items()}
+    try:
+        state = dict(saved)
+        state.update(reference)
+        if hf.config.tie_word_embeddings:
+            state["lm_head.weight"] = reference["model.embed_tokens.weight"]
+        hf.load_state_dict(state)
+        with torch.no_grad():
+            return hf(torch.tensor([ids])).logits[0].float()
+    finally:
+        hf.load_state_dict(saved)
+
+
+def _strata_logits(path, ids: list[int], storage=None, group=64) -> torch.Tensor:
+    m = load_model(check_model_dir(path), torch.float32, "cpu", 256, storage, group)
+    t = torch.tensor([ids])
+    with torch.no_grad():
+        return m.compute_logits(m(t, torch.arange(len(ids))[None])).float()[0]
+
+
+def test_unpermute_inverts_the_converters_permutation():
+    rows, heads = 24, 3
+    hf = np.arange(rows)
+    gguf_rows = hf.reshape(heads, 2, rows // heads // 2).swapaxes(1, 2).reshape(-1)
+    assert (gguf_rows[unpermute_rows(rows, heads)] == hf).all()
+
+
+@pytest.mark.parametrize("family", ["llama", "llama3", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("kind", [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0], ids=lambda t: t.name)
+def test_logits_equal_the_dequantized_reference(tiny_models, tmp_path, prompt_of, family, kind):
+    tiny = tiny_models[family]
+    path = tmp_path / f"{family}.gguf"
+    reference = write_gguf(tiny.hf, path, kind)
+    ids = prompt_of(1, 40)
+    want = _reference_logits(tiny, reference, ids)
+    torch.testing.assert_close(_strata_logits(path, ids), want, atol=ATOL, rtol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def wide_llama(tmp_path_factory):
+    """A 1-layer Llama 256 columns wide: K-quant super-blocks are 256 values."""
+    import transformers as tf
+
+    from tests.conftest import TinyModel
+
+    torch.manual_seed(7)
+    cfg = tf.LlamaConfig(vocab_size=384, hidden_size=256, intermediate_size=512, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, initializer_range=0.1)
+    cfg._attn_implementation = "eager"
+    hf = tf.LlamaForCausalLM(cfg).float().eval()
+    return TinyModel("llama-wide", tmp_path_factory.mktemp("wide"), hf, [2], 384, 1, 2, 64)
+
+
+@pytest.mark.parametrize("kind", [T.Q4_K, T.Q5_K, T.Q6_K], ids=lambda t: t.name)
+def test_k_quants_equal_the_dequantized_reference(wide_llama, tmp_path, prompt_of, kind):
+    path = tmp_path / "wide.gguf"
+    reference = write_gguf(wide_llama.hf, path, kind, embed_type=T.Q6_K)
+    ids = prompt_of(4, 40)
+    want = _reference_logits(wide_llama, reference, ids)
+    torch.testing.assert_close(_strata_logits(path, ids), want, atol=ATOL, rtol=1e-5)
+
+
+def test_q4_0_repacks_exactly_into_int4_group_32(tiny_models, tmp_path, prompt_of):
+    """Q4_0 into int4 group 32 is a byte copy: the model's int4 weights dequantize to the file's."""
+    tiny = tiny_models["llama"]
+    path = tmp_path / "q4.gguf"
+    reference = write_gguf(tiny.hf, path, T.Q4_0)
+    m = load_model(check_model_dir(path), torch.float32, "cpu", 256, "int4", 32)
+    got = m.layers[0].mlp.down_proj.dequantize()
+    torch.testing.assert_close(got, reference["model.layers.0.mlp.down_proj.weight"], atol=0, rtol=0)
+    ids = prompt_of(2, 30)
+    torch.testing.assert_close(_strata_logits(path, ids, "int4", 32), _reference_logits(tiny, reference, ids),
+                               atol=ATOL, rtol=1e-5)
+
+
+def test_split_files_load_as_one(tiny_models, tmp_path, prompt_of):
+    tiny = tiny_models["qwen2"]
+    first = tmp_path / "m.gguf"
+    reference = write_gguf(tiny.hf, first, T.Q8_0, split=3)
+    part1 = tmp_path / "m-00001-of-00003.gguf"
+    assert len(gguf_files(check_model_dir(part1))) == 3
+    ids = prompt_of(3, 30)
+    torch.testing.assert_close(_strata_logits(part1, ids), _reference_logits(tiny, reference, ids), atol=ATOL, rtol=1e-5)
+    # a directory holding the parts is the model too
+    torch.testing.assert_close(_strata_logits(tmp_path, ids), _reference_logits(tiny, reference, ids), atol=ATOL, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind,storage", [(T.Q4_0, ("int4", 32)), (T.BF16, ("bf16", 64)), (T.F16, (None, 64))],
+                         ids=["Q4_0", "BF16", "F16"])
+def test_llm_serves_a_gguf_file_in_the_nearest_format(tiny_models, tmp_path, prompt_of, llm_factory, engine_clean,
+                                                      kind, storage):
+    """`LLM(model=file.gguf)`: the projections in the format nearest the file's (Q4_0: int4 group
+    32, exact), greedy tokens equal to transformers' on the dequantized weights."""
+    from strata import SamplingParams
+
+    tiny = tiny_models["qwen2"]
+    path = tmp_path / "m.gguf"
+    reference = write_gguf(tiny.hf, path, kind)
+    llm = llm_factory(path)
+    assert (llm.engine.config.quantization, llm.engine.config.quantization_group_size) == storage
+    prompts = [prompt_of(20, 12), prompt_of(21, 30)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    engine_clean(llm)
+    for prompt, out in zip(prompts, outs):
+        ids = list(prompt)
+        for _ in range(8):
+            ids.append(int(_reference_logits(tiny, reference, ids)[-1].argmax()))
+        assert list(out.outputs[0].token_ids) == ids[len(prompt):]
