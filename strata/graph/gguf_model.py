@@ -123,7 +123,8 @@ def hf_config(meta: dict[str, Any], tensors: dict[str, TensorInfo], rope_freqs: 
         "num_hidden_layers": _get(meta, a + "block_count", source),
         "num_attention_heads": heads,
         "num_key_value_heads": _get(meta, a + "attention.head_count_kv", source, int, heads),
-        "rms_norm_eps": _get(meta, a + "attention.layer_norm_rms_epsilon", source, float),
+        # stored as f32: its shortest f32 spelling (1e-05, not 9.999999747378752e-06)
+        "rms_norm_eps": float(str(np.float32(_get(meta, a + "attention.layer_norm_rms_epsilon", source, float)))),
         "rope_theta": float(_get(meta, a + "rope.freq_base", source, (int, float), 10000.0)),
         "max_position_embeddings": _get(meta, a + "context_length", source),
         "vocab_size": vocab,
@@ -153,8 +154,13 @@ def hf_config(meta: dict[str, Any], tensors: dict[str, TensorInfo], rope_freqs: 
     return cfg
 
 
+# Part of a derived directory's key: bump it when what gguf_model_dir writes changes, so a
+# directory written by an older Strata is not reused.
+DERIVED_VERSION = 2
+
+
 def _key(files: list[Path]) -> str:
-    h = hashlib.sha256()
+    h = hashlib.sha256(f"strata-gguf-{DERIVED_VERSION}\0".encode())
     for f in files:
         st = f.stat()
         h.update(f"{f.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())

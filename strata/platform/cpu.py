@@ -99,6 +99,11 @@ def resolve_weight_storage(config: EngineConfig, checkpoint_dtype: torch.dtype, 
                     "bf16 compute would run torch's slower bf16 ops)", config.quantization or "bf16", kv)
         return dataclasses.replace(config, dtype="float32", quantization=config.quantization or "bf16",
                                    kv_cache_dtype=kv)
+    if config.dtype == "auto" and config.quantization in ("int8", "int4") and fast_cpu and cpu_bf16.available():
+        # the int8/int4 kernels take fp32 activations; a bf16 compute dtype would send every
+        # projection through torch's dequantize-and-matmul instead (measured 20x slower at decode)
+        logger.info("dtype auto with %s weights on CPU: fp32 activations (the quantised kernels)", config.quantization)
+        return dataclasses.replace(config, dtype="float32")
     auto = config.dtype == "auto" and config.quantization is None and fast_cpu
     if not auto and config.quantization != "bf16":
         return config

@@ -134,6 +134,20 @@ def test_dtype_bfloat16_runs_the_narrow_weight_kernels(llama, tmp_path):
     assert (kept.engine.config.dtype, kept.engine.config.quantization) == ("float32", "int8")
 
 
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_auto_dtype_with_quantised_weights_keeps_fp32_activations(method):
+    """dtype auto + int8/int4 on CPU: fp32 activations (the quantised kernels), whatever the
+    profile says of bf16 matmuls; a bf16 compute dtype would route every projection through
+    torch's dequantize-and-matmul."""
+    from strata.kernels import cpu_bf16
+    from strata.platform.cpu import resolve_weight_storage
+
+    if not cpu_bf16.available():
+        pytest.skip("numba not installed: no quantised CPU kernels")
+    cfg = resolve_weight_storage(EngineConfig(dtype="auto", quantization=method), torch.bfloat16, None)
+    assert (cfg.dtype, cfg.quantization) == ("float32", method)
+
+
 def test_auto_policy_by_measurement():
     from dataclasses import replace
 
