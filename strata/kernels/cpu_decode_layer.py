@@ -129,7 +129,7 @@ def uses_vnni(fmt: str, n_in: int, rows: int, group: int) -> bool:
     by the rules the eager dispatch follows (cpu_quant.int8_int8 / int8_activations)."""
     if fmt == "int8":
         return cpu_quant.int8_int8(n_in)
-    return fmt == "int4" and cpu_quant.int8_activations(rows, group)
+    return fmt == "int4" and cpu_quant.int8_activations(rows, group, n_in)
 
 
 @kernel("decode_layer")

@@ -59,6 +59,7 @@ try:
         has_avx512bw,
         i4_dot,
         i4_dot_vnni,
+        i4_dot_vnni_g32,
         i4_row,
         i4_row_bf16,
         i4_row_bf16_lut,
@@ -79,10 +80,11 @@ _VNNI = numba is not None and has_avx512_vnni()  # the CPU does not change under
 _AVX512BW = numba is not None and has_avx512bw()  # VPERMW: int4 -> bf16 by table (cpu_simd.i4_row_bf16_lut)
 
 
-def int8_activations(rows: int, group_size: int) -> bool:
-    """Whether an int4 GEMV over `rows` input rows runs the int8-activation (VNNI) kernel."""
+def int8_activations(rows: int, group_size: int, n_in: int) -> bool:
+    """Whether an int4 GEMV over `rows` input rows of `n_in` columns runs the int8-activation
+    (VNNI) kernel: groups of 64+ columns, or of 32 (Q4_0's) in rows of an even group count."""
     return (
-        _VNNI and rows == 1 and group_size % 64 == 0
+        _VNNI and rows == 1 and (group_size % 64 == 0 or group_size == 32 and n_in % 64 == 0)
         and not SETTINGS.int4_fp32_activations
     )
 
@@ -218,6 +220,8 @@ if numba is not None:
         o = np.float32(0.0)
         for g in range(sr.shape[0]):  # the nibbles' -8 offset, per group
             o += sr[g] * off[g]
+        if half == 16:  # groups of 32: two per VPDPBUSD
+            return i4_dot_vnni_g32(wr, sr, xq, xs) - o
         return i4_dot_vnni(wr, sr, xq, xs, half) - o
 
     @njit(parallel=True, fastmath=True, cache=True)
@@ -520,7 +524,7 @@ def gemv(
     threads = cpu_gemv.sync_threads()
     if method == "int8":
         (_int8_gemv_vnni if int8_int8(x.shape[1]) else _int8_gemv)(w, s, x.numpy(), out, threads)
-    elif int8_activations(x.shape[0], group_size):
+    elif int8_activations(x.shape[0], group_size, x.shape[1]):
         _int4_gemv_vnni(w, s, x.numpy(), out, group_size, threads)
     else:
         _int4_gemv(w, s, x.numpy(), out, group_size, threads)
@@ -543,7 +547,7 @@ def gemv_swiglu(
     threads = cpu_gemv.sync_threads()
     if method == "int8":
         (_int8_swiglu_vnni if int8_int8(x.shape[1]) else _int8_swiglu)(w, s, x.numpy(), out, threads)
-    elif int8_activations(x.shape[0], group_size):
+    elif int8_activations(x.shape[0], group_size, x.shape[1]):
         _int4_swiglu_vnni(w, s, x.numpy(), out, group_size, threads)
     else:
         _int4_swiglu(w, s, x.numpy(), out, group_size, threads)

@@ -401,6 +401,58 @@ def i4_dot_vnni(typingctx, wr, sr, xq, xf, half):  # pragma: no cover - compiled
     return sig, codegen
 
 
+@intrinsic
+def i4_dot_vnni_g32(typingctx, wr, sr, xq, xf):  # pragma: no cover - compiled
+    """i4_dot_vnni for groups of 32 columns (llama.cpp's Q4_0 blocks, repacked: 16 bytes a group),
+    two groups per VPDPBUSD; the row's group count must be even.
+
+    32 packed bytes = groups g and g+1: their low nibbles (each group's columns 0-15) then their
+    high nibbles (columns 16-31) make the 64-byte unsigned vector [g lo, g+1 lo, g hi, g+1 hi]; the
+    matching 64 bytes of xq are permuted to the same order, so int32 lanes 0-3 and 8-11 sum group
+    g and lanes 4-7 and 12-15 group g+1, each lane scaled by its group's sr * xf. The caller
+    subtracts the nibbles' -8 offset, as for i4_dot_vnni."""
+    sig = types.float32(wr, sr, xq, xf)
+
+    def codegen(context, builder, signature, args):
+        w, sc, x, xs = (context.make_array(t)(context, builder, v) for t, v in zip(signature.args, args))
+        f32, vf, _, zero = _vec_consts()
+        i32, i64 = ir.IntType(32), ir.IntType(64)
+        vi = ir.VectorType(i32, _VL)
+        v32b, v64b = ir.VectorType(ir.IntType(8), 32), ir.VectorType(ir.IntType(8), 64)
+        concat = ir.Constant(ir.VectorType(i32, 64), list(range(64)))
+        x_order = ir.Constant(ir.VectorType(i32, 64), [*range(0, 16), *range(32, 48), *range(16, 32), *range(48, 64)])
+        lane_group = ir.Constant(vi, [0, 0, 0, 0, 16, 16, 16, 16, 0, 0, 0, 0, 16, 16, 16, 16])
+        dpbusd = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(vi, [vi, vi, vi]), "llvm.x86.avx512.vpdpbusd.512"
+        )
+        row = cgutils.alloca_once_value(builder, zero)
+        pairs = builder.udiv(cgutils.unpack_tuple(builder, sc.shape, 1)[0], ir.Constant(i64, 2))
+        with cgutils.for_range(builder, pairs) as pair:
+            p = pair.index
+            g = builder.add(p, p)
+            b = builder.load(builder.bitcast(builder.gep(w.data, [builder.mul(p, ir.Constant(i64, 32))], inbounds=True),
+                                             v32b.as_pointer()), align=1)
+            lo = builder.and_(b, ir.Constant(v32b, [15] * 32))
+            hi = builder.lshr(b, ir.Constant(v32b, [4] * 32))
+            wv = builder.shuffle_vector(lo, hi, concat)
+            xraw = builder.load(builder.bitcast(builder.gep(x.data, [builder.mul(p, ir.Constant(i64, 64))], inbounds=True),
+                                                v64b.as_pointer()), align=1)
+            xv = builder.shuffle_vector(xraw, ir.Constant(v64b, ir.Undefined), x_order)
+            summed = builder.call(dpbusd, [ir.Constant(vi, [0] * _VL), builder.bitcast(wv, vi), builder.bitcast(xv, vi)])
+
+            def factor(k):
+                gk = builder.add(g, ir.Constant(i64, k))
+                return builder.fmul(builder.load(builder.gep(sc.data, [gk], inbounds=True)),
+                                    builder.load(builder.gep(xs.data, [gk], inbounds=True)), flags=_FAST)
+
+            scales = builder.shuffle_vector(_splat(builder, factor(0), vf), _splat(builder, factor(1), vf), lane_group)
+            scaled = builder.fmul(builder.sitofp(summed, vf), scales, flags=_FAST)
+            builder.store(builder.fadd(builder.load(row), scaled, flags=_FAST), row)
+        return _hsum(builder, builder.load(row))
+
+    return sig, codegen
+
+
 # --- bf16 weights, fp32 accumulation -------------------------------------------------------------
 
 

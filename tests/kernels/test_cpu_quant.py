@@ -35,7 +35,7 @@ def _seen(x: torch.Tensor, q: _Q) -> torch.Tensor:
     """The input the kernel computes with: on a VNNI CPU, int4 batch-1 rounds it to int8 per weight
     group, int8 GEMVs per group of cpu_quant.INT8_ACT_GROUP columns."""
     rows = x.reshape(-1, x.shape[-1])
-    if q.method == "int4" and cpu_quant.int8_activations(rows.shape[0], q.group_size):
+    if q.method == "int4" and cpu_quant.int8_activations(rows.shape[0], q.group_size, rows.shape[1]):
         return quant_formats.quantize_activations_ref(rows, q.group_size).view_as(x)
     if q.method == "int8" and rows.shape[0] <= cpu_quant.MAX_ROWS and cpu_quant.int8_int8(rows.shape[1]):
         return quant_formats.quantize_activations_ref(rows, cpu_quant.INT8_ACT_GROUP).view_as(x)
@@ -180,8 +180,8 @@ def test_tiled_matmul_matches_reference(method, shape):
 
 
 @needs_numba
-@pytest.mark.skipif(not cpu_quant.int8_activations(1, 64), reason="needs AVX-512 VNNI (int4 x int8 kernel)")
-@pytest.mark.parametrize("group", [64, 128])
+@pytest.mark.skipif(not cpu_quant.int8_activations(1, 64, 1024), reason="needs AVX-512 VNNI (int4 x int8 kernel)")
+@pytest.mark.parametrize("group", [32, 64, 128])
 def test_int4_int8_activation_kernel(group, monkeypatch):
     """The VNNI kernel equals its twin (activations rounded per group, then dequantise + F.linear),
     stays within 1% of a row's largest output from the fp32-activation kernel, and the
@@ -197,9 +197,9 @@ def test_int4_int8_activation_kernel(group, monkeypatch):
         torch.testing.assert_close(got, twin, **_tol(1024))
         assert (got - exact).abs().max() <= 0.01 * exact.abs().max()
         monkeypatch.setenv("STRATA_INT4_FP32_ACTIVATIONS", "1")
-        assert not cpu_quant.int8_activations(1, group)
+        assert not cpu_quant.int8_activations(1, group, 1024)
         torch.testing.assert_close(cpu_quant.gemv("int4", x, q.qweight, q.scale, group), exact, **_tol(1024))
-    assert not cpu_quant.int8_activations(2, 64) and not cpu_quant.int8_activations(1, 32)
+    assert not cpu_quant.int8_activations(2, 64, 1024) and not cpu_quant.int8_activations(1, 32, 96)
 
 
 @needs_numba
