@@ -241,6 +241,17 @@ def gguf_model_dir(path: Path) -> Path:
     return out
 
 
+def derived_dir(local: Path) -> Path | None:
+    """The derived model directory for a .gguf file, or for a directory with no config.json that
+    holds one; None for anything else (an ordinary model directory)."""
+    if local.is_file() and local.suffix == ".gguf":
+        return gguf_model_dir(local)
+    if local.is_dir() and not (local / "config.json").is_file():
+        found = find_gguf(local)
+        return gguf_model_dir(found) if found else None
+    return None
+
+
 def gguf_files(directory: Path) -> list[Path] | None:
     """The GGUF files behind a derived directory, or None for an ordinary model directory."""
     pointer = directory / POINTER

@@ -71,7 +71,9 @@ def resolve_model(model: str, revision: str | None = None, download_dir: str | N
     downloaded) snapshot. Every failure is one ModelLoadError naming the id, the cache and the fix."""
     local = Path(model).expanduser()
     if local.exists():
-        return _gguf_dir(local) or local
+        from strata.graph.gguf_model import derived_dir
+
+        return derived_dir(local) or local
     if not is_hub_id(model):
         raise ModelLoadError(
             f"model directory {model!r} does not exist; pass --model PATH to an HF model directory, "
@@ -109,19 +111,6 @@ def resolve_model(model: str, revision: str | None = None, download_dir: str | N
         )
     logger.info("%s: downloaded to %s", shown, path)
     return path
-
-
-def _gguf_dir(local: Path) -> Path | None:
-    """The derived model directory (graph/gguf_model.py) for a .gguf file, or for a directory
-    with no config.json that holds one; None for anything else."""
-    from strata.graph.gguf_model import find_gguf, gguf_model_dir
-
-    if local.is_file() and local.suffix == ".gguf":
-        return gguf_model_dir(local)
-    if local.is_dir() and not (local / "config.json").is_file():
-        found = find_gguf(local)
-        return gguf_model_dir(found) if found else None
-    return None
 
 
 def _cached(repo_id: str, revision: str | None, cache: Path) -> Path | None:

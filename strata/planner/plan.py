@@ -61,6 +61,7 @@ from strata.config import DTYPES, EngineConfig, engine_default
 from strata.demo.random_models import SHAPES
 from strata.engine.build import kv_dtype, resolve_dtype
 from strata.errors import CapacityError, ConfigError
+from strata.graph.gguf_model import default_storage, derived_dir
 from strata.graph.loader import STAGING_BYTES
 from strata.hardware import probe as hw_probe
 from strata.hardware.specs import AcceleratorSpec, lookup, parse_hardware
@@ -130,6 +131,7 @@ def resolve_model(spec: str) -> tuple[ModelConfig, str]:
     if spec in SHAPES:
         return ModelConfig.from_dict({"torch_dtype": "float32", **SHAPES[spec]}, spec), spec
     path = Path(spec).expanduser()
+    path = (derived_dir(path) if path.exists() else None) or path  # a GGUF: its derived directory
     if path.is_dir():
         path = path / "config.json"
     if not path.exists():
@@ -347,6 +349,11 @@ def build_plan(req: PlanRequest, profile=None, overhead=None) -> Plan:
     hw_name, count = parse_hardware(req.hardware)
     is_this = hw_name.lower() == "this"
     notes: list[str] = []
+    derived = derived_dir(Path(req.model).expanduser()) if Path(req.model).expanduser().exists() else None
+    if derived is not None and req.quantization is None:  # as the engine serves the file (engine/build.py)
+        method, group, why = default_storage(derived)
+        req = dataclasses.replace(req, quantization=method, group_size=group or req.group_size)
+        notes.append(why)
     if is_this:
         if profile is None:
             where = "cuda:0" if torch.cuda.is_available() else "cpu"

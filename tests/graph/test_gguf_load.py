@@ -133,3 +133,40 @@ def test_llm_serves_a_gguf_file_in_the_nearest_format(tiny_models, tmp_path, pro
         for _ in range(8):
             ids.append(int(_reference_logits(tiny, reference, ids)[-1].argmax()))
         assert list(out.outputs[0].token_ids) == ids[len(prompt):]
+
+
+def test_plan_reads_a_gguf_file(tiny_models, tmp_path):
+    """`strata plan --model file.gguf`: the config from the file's metadata, weights in the format
+    the engine would serve them in (Q4_0: int4 group 32)."""
+    from strata.graph.gguf_model import default_storage, derived_dir
+    from strata.planner.plan import resolve_model
+
+    tiny = tiny_models["qwen3"]
+    path = tmp_path / "q.gguf"
+    write_gguf(tiny.hf, path, T.Q4_0)
+    cfg, _ = resolve_model(str(path))
+    assert (cfg.architecture, cfg.num_layers, cfg.head_dim, cfg.qk_norm) == ("Qwen3ForCausalLM", 2, 32, True)
+    method, group, why = default_storage(derived_dir(path))
+    assert (method, group) == ("int4", 32) and "Q4_0" in why
+
+
+def test_unsupported_types_are_refused_by_name(tiny_models, tmp_path):
+    import gguf
+
+    tiny = tiny_models["llama"]
+    path = tmp_path / "iq.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    cfg = tiny.hf.config
+    for add, v in ((w.add_block_count, 1), (w.add_context_length, 256), (w.add_embedding_length, 64),
+                   (w.add_feed_forward_length, 128), (w.add_head_count, 4), (w.add_head_count_kv, 2)):
+        add(v)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_tensor("token_embd.weight", np.zeros((cfg.vocab_size, 64 // 32 * 18), np.uint8), raw_dtype=T.IQ4_NL)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    from strata.errors import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match=r"IQ4_NL.*supported: F32, F16, BF16, Q8_0, Q4_0"):
+        load_model(check_model_dir(path), torch.float32, "cpu", 256)
