@@ -146,7 +146,7 @@ def tokenizer_files(meta: dict[str, Any], source: str) -> dict[str, str]:
                 add_bos = True  # llama.cpp's default for SentencePiece vocabularies
             add_prefix = g.get_bool(K_ADD_PREFIX)
             backend = _sentencepiece_bpe(
-                tokens, types, scores, ids[K_UNK], True if add_prefix is None else add_prefix)
+                source, tokens, types, scores, ids[K_UNK], True if add_prefix is None else add_prefix)
         _add_special_tokens(backend, tokens, types)
         backend.post_processor = _post_processor(
             source, tokens, ids[K_BOS] if add_bos else None, ids[K_EOS] if add_eos else None,
@@ -281,11 +281,11 @@ def _byte_level_bpe(g: _Meta, tokens: list[str], types: list[int], pre: _Pre) ->
     return backend
 
 
-def _sentencepiece_bpe(tokens: list[str], types: list[int], scores: list[float], unk_id: int | None,
-                       add_prefix: bool) -> tokenizers.Tokenizer:
+def _sentencepiece_bpe(source: str, tokens: list[str], types: list[int], scores: list[float],
+                       unk_id: int | None, add_prefix: bool) -> tokenizers.Tokenizer:
     """SentencePiece BPE as a tokenizers BPE: merges ranked by the score of the piece they make
     (transformers' SentencePieceExtractor rule), byte fallback to the <0xXX> tokens."""
-    vocab = _vocab(tokens, "tokenizer")
+    vocab = _vocab(tokens, source)
     mergeable = {tok: i for tok, i in vocab.items() if types[i] in (NORMAL, USER_DEFINED)}
     found: list[tuple[float, int, int, int, str, str]] = []
     for piece, i in mergeable.items():
