@@ -21,6 +21,7 @@ import json
 import logging
 import math
 import os
+import re
 import tempfile
 from collections import Counter
 from pathlib import Path
@@ -156,7 +157,7 @@ def hf_config(meta: dict[str, Any], tensors: dict[str, TensorInfo], rope_freqs: 
 
 # Part of a derived directory's key: bump it when what gguf_model_dir writes changes, so a
 # directory written by an older Strata is not reused.
-DERIVED_VERSION = 2
+DERIVED_VERSION = 3
 
 
 def _key(files: list[Path]) -> str:
@@ -228,7 +229,8 @@ def gguf_model_dir(path: Path) -> Path:
     for name, text in files_text.items():
         (tmp / name).write_text(text)
     types = Counter(t.type.name for n, t in tensors.items() if n.startswith("blk.") and len(t.shape) == 2)
-    pointer = {"files": [str(f.resolve()) for f in files], "projection_types": dict(types.most_common())}
+    pointer = {"files": [str(f.resolve()) for f in files], "projection_types": dict(types.most_common()),
+               "tensor_types": {n: t.type.name for n, t in tensors.items()}}
     (tmp / POINTER).write_text(json.dumps(pointer, indent=2))
     try:
         os.rename(tmp, out)
@@ -283,3 +285,33 @@ def default_storage(directory: Path) -> tuple[str | None, int, str]:
            f"{method or 'float32'}{f' group {group}' if group else ''}"
            f"{'' if exact else ' (requantised from ' + main + ': close to, not bit-equal to, the file)'}")
     return method, group, why
+
+
+# Types that lose accuracy in int4: a projection stored in one of them stays int8 under int4
+# storage, as llama.cpp's mixes intend (Q4_0 files keep token_embd in Q8_0, Q4_K_M some ffn_down /
+# attn_v in Q6_K).
+_ABOVE_INT4 = {"F32", "F16", "BF16", "Q8_0", "Q6_K", "Q5_K", "Q5_0", "Q5_1"}
+
+
+def _module_of(hf: str, tied: bool) -> str | None:
+    """Our (fused) projection module for an HF weight name (graph/loader.checkpoint_targets)."""
+    if hf == "lm_head.weight" or (tied and hf == "model.embed_tokens.weight"):
+        return "lm_head"
+    m = re.fullmatch(r"model\.(layers\.\d+)\.(self_attn|mlp)\.(\w+)_proj\.weight", hf)
+    if not m:
+        return None
+    fused = {"q": "qkv", "k": "qkv", "v": "qkv", "gate": "gate_up", "up": "gate_up"}.get(m[3], m[3])
+    return f"{m[1]}.{m[2]}.{fused}_proj"
+
+
+def int4_exceptions(directory: Path, tied: bool) -> set[str]:
+    """Projection modules to keep int8 when a GGUF model is stored int4: those holding a tensor
+    the file stores above 4 bits."""
+    types = json.loads((directory / POINTER).read_text()).get("tensor_types") or {}
+    out = set()
+    for name, kind in types.items():
+        hf = hf_name(name)
+        module = _module_of(hf, tied) if hf else None
+        if module and kind in _ABOVE_INT4:
+            out.add(module)
+    return out

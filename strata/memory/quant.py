@@ -180,12 +180,14 @@ def _release_heap() -> None:
         pass
 
 
-def quantize_model(model: nn.Module, method: str, group_size: int = 64) -> nn.Module:
+def quantize_model(model: nn.Module, method: str, group_size: int = 64, keep_int8: set[str] = frozenset()) -> nn.Module:
     """Replace the model's dense projections by QuantLinear modules, in place; returns the model.
     On a model built on `meta` the QuantLinears are left empty, for the loader to fill.
 
     method: "int8" (per-output-channel scales) or "int4" (group-wise scales over `group_size`
     input columns, two weights per byte). See the module docstring for tied embeddings.
+    keep_int8: qualified names of projections to store int8 instead (a GGUF's higher-precision
+    tensors under int4; graph/gguf_model.int4_exceptions).
     """
     if method not in METHODS:
         raise ValueError(f"quantization: unknown method {method!r}; choose one of {', '.join(METHODS)}")
@@ -199,11 +201,13 @@ def quantize_model(model: nn.Module, method: str, group_size: int = 64) -> nn.Mo
     dtype = next(model.parameters()).dtype
     fallback = 0
     with torch.no_grad():
-        for module in list(model.modules()):
+        for prefix, module in list(model.named_modules()):
             for child_name, child in list(module.named_children()):
                 if child_name in PROJECTIONS and isinstance(child, nn.Linear):
-                    q = QuantLinear.from_linear(child, method, group_size)
-                    fallback += q.method != method
+                    name = f"{prefix}.{child_name}" if prefix else child_name
+                    kept = method == "int4" and name in keep_int8
+                    q = QuantLinear.from_linear(child, "int8" if kept else method, group_size)
+                    fallback += q.method != method and not kept
                     setattr(module, child_name, q)
         if tied:
             model.embed_tokens = QuantEmbedding(model.lm_head, dtype)
@@ -211,6 +215,8 @@ def quantize_model(model: nn.Module, method: str, group_size: int = 64) -> nn.Mo
         logger.warning("int4: %d projection(s) have no group size dividing their columns; kept int8", fallback)
     rehome_in_arena(model)
     _release_heap()
+    if method == "int4" and keep_int8:
+        logger.info("%d projection(s) kept int8 (stored above 4 bits in the file)", len(keep_int8))
     logger.info("quantized the dense projections to %s%s%s", method,
                 f" (group size {group_size})" if method == "int4" else "",
                 "; tied embedding dequantised per looked-up row" if tied else "")

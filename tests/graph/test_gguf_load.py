@@ -170,3 +170,14 @@ def test_unsupported_types_are_refused_by_name(tiny_models, tmp_path):
 
     with pytest.raises(ModelLoadError, match=r"IQ4_NL.*supported: F32, F16, BF16, Q8_0, Q4_0"):
         load_model(check_model_dir(path), torch.float32, "cpu", 256)
+
+
+def test_int4_storage_keeps_the_files_8_bit_tensors_int8(tiny_models, tmp_path):
+    """A Q4_0 file with a Q8_0 embedding (what llama-quantize writes): under int4 storage the tied
+    head stays int8 and the Q4_0 projections are int4 group 32."""
+    tiny = tiny_models["llama"]
+    path = tmp_path / "mix.gguf"
+    write_gguf(tiny.hf, path, T.Q4_0, embed_type=T.Q8_0)
+    m = load_model(check_model_dir(path), torch.float32, "cpu", 256, "int4", 32)
+    assert m.lm_head.method == "int8"
+    assert (m.layers[0].mlp.down_proj.method, m.layers[0].mlp.down_proj.group_size) == ("int4", 32)
