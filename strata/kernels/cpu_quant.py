@@ -82,9 +82,10 @@ _AVX512BW = numba is not None and has_avx512bw()  # VPERMW: int4 -> bf16 by tabl
 
 def int8_activations(rows: int, group_size: int, n_in: int) -> bool:
     """Whether an int4 GEMV over `rows` input rows of `n_in` columns runs the int8-activation
-    (VNNI) kernel: groups of 64+ columns, or of 32 (Q4_0's) in rows of an even group count."""
+    (VNNI) kernel: groups of 64+ columns, or of 32 (Q4_0's). The same for every row length, so a
+    tensor-parallel shard takes the kernel its unsharded model does."""
     return (
-        _VNNI and rows == 1 and (group_size % 64 == 0 or group_size == 32 and n_in % 64 == 0)
+        _VNNI and rows == 1 and group_size % 32 == 0 and n_in % group_size == 0
         and not SETTINGS.int4_fp32_activations
     )
 

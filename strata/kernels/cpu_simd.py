@@ -404,7 +404,7 @@ def i4_dot_vnni(typingctx, wr, sr, xq, xf, half):  # pragma: no cover - compiled
 @intrinsic
 def i4_dot_vnni_g32(typingctx, wr, sr, xq, xf):  # pragma: no cover - compiled
     """i4_dot_vnni for groups of 32 columns (llama.cpp's Q4_0 blocks, repacked: 16 bytes a group),
-    two groups per VPDPBUSD; the row's group count must be even.
+    two groups per VPDPBUSD (an odd last group beside a zero one).
 
     32 packed bytes = groups g and g+1: their low nibbles (each group's columns 0-15) then their
     high nibbles (columns 16-31) make the 64-byte unsigned vector [g lo, g+1 lo, g hi, g+1 hi]; the
@@ -447,6 +447,25 @@ def i4_dot_vnni_g32(typingctx, wr, sr, xq, xf):  # pragma: no cover - compiled
 
             scales = builder.shuffle_vector(_splat(builder, factor(0), vf), _splat(builder, factor(1), vf), lane_group)
             scaled = builder.fmul(builder.sitofp(summed, vf), scales, flags=_FAST)
+            builder.store(builder.fadd(builder.load(row), scaled, flags=_FAST), row)
+        # an odd last group: the same step with a zero group beside it
+        ng = cgutils.unpack_tuple(builder, sc.shape, 1)[0]
+        with builder.if_then(builder.icmp_unsigned("!=", builder.and_(ng, ir.Constant(i64, 1)), ir.Constant(i64, 0))):
+            g = builder.sub(ng, ir.Constant(i64, 1))
+            v16b = ir.VectorType(ir.IntType(8), 16)
+            b16 = builder.load(builder.bitcast(builder.gep(w.data, [builder.mul(g, ir.Constant(i64, 16))], inbounds=True),
+                                               v16b.as_pointer()), align=1)
+            b = builder.shuffle_vector(b16, ir.Constant(v16b, [0] * 16), ir.Constant(ir.VectorType(i32, 32), list(range(32))))
+            wv = builder.shuffle_vector(builder.and_(b, ir.Constant(v32b, [15] * 32)),
+                                        builder.lshr(b, ir.Constant(v32b, [4] * 32)), concat)
+            x32 = builder.load(builder.bitcast(builder.gep(x.data, [builder.mul(g, ir.Constant(i64, 32))], inbounds=True),
+                                               v32b.as_pointer()), align=1)
+            xv = builder.shuffle_vector(builder.shuffle_vector(x32, ir.Constant(v32b, [0] * 32), concat),
+                                        ir.Constant(v64b, ir.Undefined), x_order)
+            summed = builder.call(dpbusd, [ir.Constant(vi, [0] * _VL), builder.bitcast(wv, vi), builder.bitcast(xv, vi)])
+            f = builder.fmul(builder.load(builder.gep(sc.data, [g], inbounds=True)),
+                             builder.load(builder.gep(xs.data, [g], inbounds=True)), flags=_FAST)
+            scaled = builder.fmul(builder.sitofp(summed, vf), _splat(builder, f, vf), flags=_FAST)
             builder.store(builder.fadd(builder.load(row), scaled, flags=_FAST), row)
         return _hsum(builder, builder.load(row))
 
