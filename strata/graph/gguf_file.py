@@ -26,6 +26,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from strata.errors import ModelLoadError
+from strata.graph.pread_file import PreadFile
 
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)
@@ -54,15 +55,11 @@ class TensorInfo:
         return self.shape[-1] // block * size
 
 
-class GGUFFile:
+class GGUFFile(PreadFile):
     """One .gguf file: `metadata` (key -> value), `tensors` (name -> TensorInfo), `read(info, a, b)`."""
 
     def __init__(self, path: Path) -> None:
-        self.path = Path(path)
-        try:
-            self._fd = os.open(self.path, os.O_RDONLY)
-        except OSError as e:
-            raise ModelLoadError(f"{self.path}: cannot open ({e})") from None
+        super().__init__(path)
         try:
             self.size = os.fstat(self._fd).st_size
             self._buf, self._buf_at, self._pos = b"", 0, 0
@@ -197,25 +194,8 @@ class GGUFFile:
         row = info.row_bytes if len(info.shape) > 1 else info.nbytes
         if out is None:
             out = np.empty((stop - start, row), np.uint8)
-        view = memoryview(out.reshape(-1)).cast("B")
-        offset, done = info.offset + start * row, 0
-        while done < len(view):
-            n = os.preadv(self._fd, [view[done:]], offset + done)
-            if n <= 0:
-                raise ModelLoadError(f"{self.path}: tensor {info.name!r} is cut short")
-            done += n
+        self._read_into(out, info.offset + start * row, info.name)
         return out
-
-    def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-
-    def __enter__(self) -> GGUFFile:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 def split_files(path: Path) -> list[Path]:

@@ -37,7 +37,8 @@ logger = logging.getLogger(__name__)
 
 POINTER = "strata_gguf.json"  # in a derived directory: the GGUF files that hold its weights
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-PERMUTED_QK = ("llama",)  # architectures whose q/k rows llama.cpp's converter permutes
+# the (HF) architectures whose q/k rows llama.cpp's converter permutes (its LlamaModel: GGUF "llama")
+PERMUTED_QK = ("LlamaForCausalLM", "MistralForCausalLM")
 
 _LAYER = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -205,9 +206,8 @@ def gguf_model_dir(path: Path) -> Path:
         return out
     metadata, tensors = read_gguf(files)
     source = str(path)
-    for name in ("token_embd.weight",):
-        if name not in tensors:
-            raise ModelLoadError(f"{source}: GGUF has no {name!r} tensor; not a complete model")
+    if "token_embd.weight" not in tensors:
+        raise ModelLoadError(f"{source}: GGUF has no 'token_embd.weight' tensor; not a complete model")
     rope_freqs = None
     if "rope_freqs.weight" in tensors:
         info = tensors["rope_freqs.weight"]

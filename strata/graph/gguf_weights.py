@@ -26,10 +26,10 @@ from gguf import quants
 from strata.errors import ModelLoadError
 from strata.graph.gguf_file import GGUFFile, TensorInfo
 from strata.graph.gguf_model import unpermute_rows
+from strata.graph.pread_file import READ_CHUNK_BYTES
 from strata.memory.quant import QuantLinear
 
 _FLOATS = {T.F32: (np.float32, torch.float32), T.F16: (np.float16, torch.float16), T.BF16: (np.int16, torch.bfloat16)}
-READ_CHUNK_BYTES = 16 << 20
 
 
 def rows_as_float(info: TensorInfo, raw: np.ndarray) -> torch.Tensor:

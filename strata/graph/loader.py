@@ -23,10 +23,11 @@ from torch import nn
 
 from strata.errors import ModelLoadError
 from strata.graph.gguf_file import GGUFFile
-from strata.graph.gguf_model import gguf_files, hf_name, int4_exceptions
+from strata.graph.gguf_model import PERMUTED_QK, gguf_files, hf_name, int4_exceptions
 from strata.graph.gguf_weights import fill as gguf_fill
 from strata.graph.hub import check_model_dir
 from strata.graph.models.llama import CausalLM
+from strata.graph.pread_file import READ_CHUNK_BYTES
 from strata.graph.safetensors_file import SafetensorsFile
 from strata.memory.arena import materialize_in_arena
 from strata.memory.bf16_weights import WidenedEmbedding, narrow_model
@@ -44,8 +45,6 @@ _CONVERT_HINT = (
 )
 
 
-# Rows read at a time where a tensor is converted on the way in (bounds the load's temporaries)
-READ_CHUNK_BYTES = 16 << 20
 # What a load holds beyond the final weights: one read chunk, its float copy and the quantiser's
 # temporaries (memory/quant.QUANT_CHUNK_ELEMENTS), with room to spare
 STAGING_BYTES = 256 << 20
@@ -226,7 +225,7 @@ def _fill(f: SafetensorsFile, name: str, target: _Target) -> None:
 def _fill_from_gguf(files: list[Path], targets: dict[str, _Target], cfg: ModelConfig, loaded: set[str],
                     ignored: list[str]) -> None:
     """The GGUF path of load_model: llama.cpp tensor names mapped to the targets' HF names."""
-    permuted = cfg.architecture in ("LlamaForCausalLM", "MistralForCausalLM")  # gguf_model.PERMUTED_QK
+    permuted = cfg.architecture in PERMUTED_QK
     for file in files:
         with GGUFFile(file) as g:
             for name, info in g.tensors.items():

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from strata.errors import ModelLoadError
+from strata.graph.pread_file import PreadFile
 
 DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -27,15 +28,11 @@ DTYPES = {
 MAX_HEADER = 100 << 20  # the safetensors format's own limit
 
 
-class SafetensorsFile:
+class SafetensorsFile(PreadFile):
     """One .safetensors file: `names()`, `shape(name)`, `dtype(name)`, `read_rows(name, a, b, out)`."""
 
     def __init__(self, path: Path) -> None:
-        self.path = path
-        try:
-            self._fd = os.open(path, os.O_RDONLY)
-        except OSError as e:
-            raise ModelLoadError(f"{path}: cannot open ({e})") from None
+        super().__init__(path)
         try:
             self._entries, self._data_start = self._read_header()
         except BaseException:
@@ -95,22 +92,8 @@ class SafetensorsFile:
         rows_shape = (stop - start, *shape[1:]) if shape else ()
         if out is None:
             out = torch.empty(rows_shape, dtype=dtype)
-        view = memoryview(out.reshape(-1).view(torch.uint8).numpy()).cast("B")
-        offset, done = self._data_start + begin + start * row, 0
-        while done < len(view):
-            n = os.preadv(self._fd, [view[done:]], offset + done)
-            if n <= 0:
-                raise self._corrupt(f"tensor {name!r} is cut short")
-            done += n
+        self._read_into(out.reshape(-1).view(torch.uint8).numpy(), self._data_start + begin + start * row, name)
         return out
 
-    def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-
-    def __enter__(self) -> SafetensorsFile:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def _cut_short(self, name: str) -> ModelLoadError:
+        return self._corrupt(f"tensor {name!r} is cut short")
