@@ -33,6 +33,8 @@ SWITCHES = (
            "that fp32 GEMM, exact), bf16 (narrow weights through the bf16 GEMM)"),
     Switch("STRATA_INT8_PREFILL", "(unset)", "w8a8: int8 weights' prefill with int8 activations (opt-in)"),
     Switch("STRATA_INT4_PREFILL", "w8a8", "int4 weights' prefill: w8a8 (int8 activations) or dequant"),
+    Switch("STRATA_GROUP32_PREFILL", "fast", "group-32 weights' prefill (a GGUF's Q8_0 / Q4_0): fast (the prefill GEMM "
+           "measured fastest) or q8_0 (llama.cpp's q8_0 activation rounding, as decode: integer kernels, slower)"),
     Switch("STRATA_INT8_FP32_ACTIVATIONS", "0", "1: int8 (and int4) kernels keep fp32 activations (no VNNI, no W8A8)"),
     Switch("STRATA_INT4_FP32_ACTIVATIONS", "0", "1: int4 kernels keep fp32 activations (no VNNI, no W8A8)"),
     Switch("STRATA_HOST_MALLOC", "on", "CPU: glibc keeps freed activation memory instead of returning it per step"),
@@ -93,6 +95,10 @@ class Settings:
     @property
     def int4_prefill(self) -> str:
         return os.environ.get("STRATA_INT4_PREFILL", "w8a8") or "w8a8"
+
+    @property
+    def group32_prefill(self) -> str:
+        return os.environ.get("STRATA_GROUP32_PREFILL", "fast") or "fast"
 
     @property
     def int8_fp32_activations(self) -> bool:

@@ -267,7 +267,8 @@ def gguf_files(directory: Path) -> list[Path] | None:
 
 
 # The weight storage a GGUF file's projections are served in when --quantization is not given:
-# the Strata format that holds the file's values best (Q4_0 exactly; the others requantised).
+# the Strata format that holds the file's values best (Q4_0 and Q8_0 exactly, per tensor by
+# gguf_formats; the others requantised).
 _STORAGE = {"Q4_0": ("int4", 32), "Q4_1": ("int4", 32), "Q5_0": ("int8", 0), "Q5_1": ("int8", 0),
             "Q4_K": ("int4", 32), "Q5_K": ("int8", 0), "Q6_K": ("int8", 0), "Q8_0": ("int8", 0),
             "BF16": ("bf16", 0)}  # F16 / F32: as they are (F16 in bf16 would lose 3 mantissa bits)
@@ -280,7 +281,7 @@ def default_storage(directory: Path) -> tuple[str | None, int, str]:
     types = pointer.get("projection_types") or {}
     main = max(types, key=types.get) if types else "F32"
     method, group = _STORAGE.get(main, (None, 0))
-    exact = main in ("Q4_0", "BF16", "F16", "F32")
+    exact = main in EXACT
     why = (f"GGUF projections {', '.join(f'{k} x{v}' for k, v in types.items())}: served as "
            f"{method or 'float32'}{f' group {group}' if group else ''}"
            f"{'' if exact else ' (requantised from ' + main + ': close to, not bit-equal to, the file)'}")
@@ -304,14 +305,31 @@ def _module_of(hf: str, tied: bool) -> str | None:
     return f"{m[1]}.{m[2]}.{fused}_proj"
 
 
-def int4_exceptions(directory: Path, tied: bool) -> set[str]:
-    """Projection modules to keep int8 when a GGUF model is stored int4: those holding a tensor
-    the file stores above 4 bits."""
+EXACT = ("Q4_0", "Q8_0", "BF16", "F16", "F32")  # types some Strata layout holds bit for bit
+
+
+def gguf_formats(directory: Path, tied: bool, storage: str | None) -> dict[str, tuple[str, int]]:
+    """(method, group size) of each projection module whose layout the file decides, under int8 or
+    int4 storage (memory/quant.quantize_model's `formats`): a module whose tensors are all Q8_0
+    is grouped int8 ("int8", 32: the file's blocks, exactly), all Q4_0 int4 group 32 (exactly,
+    under int4); under int4, a module holding any other tensor stored above 4 bits is int8 per
+    row, as llama.cpp's mixes intend (Q4_0 files keep token_embd in Q8_0, Q4_K_M some ffn_down
+    / attn_v in Q6_K). A fused module (qkv, gate_up) takes its widest tensor's layout."""
+    if storage not in ("int8", "int4"):
+        return {}
     types = json.loads((directory / POINTER).read_text()).get("tensor_types") or {}
-    out = set()
+    kinds: dict[str, set[str]] = {}
     for name, kind in types.items():
         hf = hf_name(name)
         module = _module_of(hf, tied) if hf else None
-        if module and kind in _ABOVE_INT4:
-            out.add(module)
+        if module:
+            kinds.setdefault(module, set()).add(kind)
+    out = {}
+    for module, held in kinds.items():
+        if held == {"Q8_0"}:
+            out[module] = ("int8", 32)
+        elif storage == "int4" and held & _ABOVE_INT4:
+            out[module] = ("int8", 0)
+        elif storage == "int4" and held == {"Q4_0"}:
+            out[module] = ("int4", 32)
     return out

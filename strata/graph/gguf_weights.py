@@ -5,6 +5,8 @@
   an fp16 scale d and 16 bytes whose low nibbles are its columns 0-15 and high nibbles 16-31,
   value (q - 8) * d: byte for byte Strata's int4 group of 32 (kernels/quant_formats.py), with d
   widened to fp32.
+- Q8_0 into a grouped int8 projection (group 32): an fp16 scale and 32 int8 codes a block, the
+  codes copied and the scale widened: exact.
 - Every other type the `gguf` package can dequantize (Q8_0, Q4_1, Q5_0/1, the K-quants, ...):
   its rows dequantized in numpy (gguf.quants.dequantize, llama.cpp's own formulas) into one
   chunk of fp32 rows, then written like a safetensors chunk (copied, or quantised into the
@@ -60,6 +62,15 @@ def check_type(info: TensorInfo) -> None:
                              f"supported: {', '.join(supported_types())}")
 
 
+def _q8_0_repack(raw: np.ndarray, qweight: torch.Tensor, scale: torch.Tensor) -> None:
+    """Q8_0 rows (uint8 [rows, blocks * 34]) -> grouped int8 qweight [rows, cols] and scale
+    [rows, cols / 32]: each block's fp16 scale widened, its 32 int8 codes as they are."""
+    rows = raw.shape[0]
+    blocks = raw.reshape(rows, -1, 34)
+    scale.copy_(torch.from_numpy(np.ascontiguousarray(blocks[:, :, :2]).view(np.float16).reshape(rows, -1).astype(np.float32)))
+    qweight.copy_(torch.from_numpy(np.ascontiguousarray(blocks[:, :, 2:]).view(np.int8).reshape(rows, -1)))
+
+
 def _q4_0_repack(raw: np.ndarray, qweight: torch.Tensor, scale: torch.Tensor) -> None:
     """Q4_0 rows (uint8 [rows, blocks * 18]) -> int4 group-32 qweight [rows, cols / 2] and scale."""
     rows = raw.shape[0]
@@ -84,6 +95,7 @@ def fill(g: GGUFFile, info: TensorInfo, module, attr: str, rows: slice | None, p
     start = 0 if rows is None else rows.start
     quantised = isinstance(module, QuantLinear) and attr == "weight"
     exact_q4 = quantised and module.method == "int4" and module.group_size == 32 and info.type == T.Q4_0
+    exact_q8 = quantised and module.method == "int8" and module.group_size == 32 and info.type == T.Q8_0
     dest = None if quantised else (getattr(module, attr) if rows is None else getattr(module, attr)[rows])
     unit = 1 if permute_heads is None else n // permute_heads  # rows read together: a head's
     step = max(unit, READ_CHUNK_BYTES // (4 * cols) // unit * unit)
@@ -95,6 +107,8 @@ def fill(g: GGUFFile, info: TensorInfo, module, attr: str, rows: slice | None, p
             raw = raw.reshape(-1, unit, raw.shape[1])[:, order].reshape(b - a, -1)
         if exact_q4:
             _q4_0_repack(raw, module.qweight[start + a:start + b], module.scale[start + a:start + b])
+        elif exact_q8:
+            _q8_0_repack(raw, module.qweight[start + a:start + b], module.scale[start + a:start + b])
         elif quantised:
             module.quantize_rows(start + a, rows_as_float(info, raw).float())
         else:

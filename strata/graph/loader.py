@@ -23,7 +23,7 @@ from torch import nn
 
 from strata.errors import ModelLoadError
 from strata.graph.gguf_file import GGUFFile
-from strata.graph.gguf_model import PERMUTED_QK, gguf_files, hf_name, int4_exceptions
+from strata.graph.gguf_model import PERMUTED_QK, gguf_files, gguf_formats, hf_name
 from strata.graph.gguf_weights import fill as gguf_fill
 from strata.graph.hub import check_model_dir
 from strata.graph.models.llama import CausalLM
@@ -190,12 +190,12 @@ def checkpoint_targets(model: CausalLM, cfg: ModelConfig) -> dict[str, _Target]:
 
 
 def convert_storage(model: CausalLM, storage: str | None, group_size: int, checkpoint_dtype: torch.dtype,
-                    keep_int8: set[str] = frozenset()) -> None:
+                    formats: dict[str, tuple[str, int]] | None = None) -> None:
     """Put the meta model's projections in their final storage before it gets any memory."""
     if storage == "bf16":
         narrow_model(model)
     elif storage is not None:
-        quantize_model(model, storage, group_size, keep_int8)
+        quantize_model(model, storage, group_size, formats)
         embed = model.embed_tokens
         if isinstance(embed, nn.Embedding) and narrow_untied_embedding(checkpoint_dtype, embed.weight.dtype, False):
             weight = nn.Parameter(embed.weight.to(torch.bfloat16), requires_grad=False)
@@ -266,8 +266,8 @@ def load_model(
         model = CausalLM(cfg, max_positions)
     model = model.to(dtype)
     model.tie_weights()
-    keep = int4_exceptions(path, cfg.tie_word_embeddings) if ggufs and storage == "int4" else set()
-    convert_storage(model, storage, group_size, cfg.torch_dtype, keep)
+    formats = gguf_formats(path, cfg.tie_word_embeddings, storage) if ggufs else None
+    convert_storage(model, storage, group_size, cfg.torch_dtype, formats)
     if torch.device(device).type == "cpu":
         materialize_in_arena(model)  # shared (tied) tensors stay shared
     else:

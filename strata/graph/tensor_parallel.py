@@ -180,7 +180,7 @@ def _check_int4(model: CausalLM, spec: ShardSpec) -> None:
                                   ("mlp.down_proj", mlp.down_proj, mlp.intermediate // tp)):
             if not int4_cols_ok(proj, width):
                 raise ConfigError(
-                    f"tensor_parallel_size = {tp}: layers.{i}.{name} is int4 with group size "
+                    f"tensor_parallel_size = {tp}: layers.{i}.{name} is {proj.method} with group size "
                     f"{proj.group_size}, and its row-parallel shard of {width} input columns is not a "
                     f"whole number of groups; use a quantization_group_size dividing {width} (>= 32), "
                     "int8, or a smaller tensor_parallel_size"

@@ -109,7 +109,8 @@ def column_parallel(proj: nn.Module, spans: list[slice]) -> nn.Module:
 
 
 def int4_cols_ok(proj: nn.Module, width: int) -> bool:
-    return not (isinstance(proj, QuantLinear) and proj.method == "int4" and width % proj.group_size)
+    """Whether a column slice of `width` keeps whole groups (int4, grouped int8)."""
+    return not (isinstance(proj, QuantLinear) and proj.group_size and width % proj.group_size)
 
 
 def row_parallel(proj: nn.Module, cols: slice, comm: Comm) -> RowParallelLinear:
@@ -117,8 +118,11 @@ def row_parallel(proj: nn.Module, cols: slice, comm: Comm) -> RowParallelLinear:
     bias = None if proj.bias is None else proj.bias.detach().clone()
     if isinstance(proj, QuantLinear):
         width = cols.stop - cols.start
-        if proj.method == "int8":  # per-row scale: the same scale for every column slice
+        if proj.method == "int8" and proj.scale.dim() == 1:  # per-row scale: the same for every column slice
             inner = _quant(proj, proj.qweight[:, cols], proj.scale, width, None)
+        elif proj.method == "int8":  # grouped: group j is columns [j*g, (j+1)*g)
+            g = proj.group_size
+            inner = _quant(proj, proj.qweight[:, cols], proj.scale[:, cols.start // g : cols.stop // g], width, None)
         else:  # packed per group (quant_formats.py): group j is bytes [j*g/2, (j+1)*g/2)
             g = proj.group_size
             qcols = slice(cols.start // 2, cols.stop // 2)

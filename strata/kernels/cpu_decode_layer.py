@@ -10,7 +10,7 @@ attention) keep their own thread split: numba runs a parallel callee's prange in
 from a serial caller.
 
 Each projection's kernel is picked by its weight's storage dtype when numba compiles the layer
-(one cached specialisation per weight format: fp32, bf16, int8, int4) and, for the int8
+(one cached specialisation per weight format: fp32, bf16, int8, grouped int8, int4) and, for the int8
 formats, the int8-activation (VNNI) variant by the same rules as the eager dispatch, so the
 results equal the eager path's bit for bit.
 
@@ -53,12 +53,20 @@ if numba is not None:
     # patterns int16, int8 int8, packed int4 uint8); `vnni` picks the int8-activation variant at
     # run time. Plain functions, not function arguments: numba cannot cache a function that takes
     # another as an argument (its type names the process's dispatcher object).
-    def _by_dtype(dt, f32, bf16, int8, int8_vnni, int4, int4_vnni):
-        """The implementation for one weight storage dtype, from that projection's kernels."""
+    def _by_dtype(dt, scale_dims, f32, bf16, int8, int8_vnni, int8g, int8g_vnni, int4, int4_vnni):
+        """The implementation for one weight storage dtype (and, for int8, per-row or grouped
+        scales), from that projection's kernels."""
         if dt == types.float32:
             return lambda w, s, x, out, group, vnni, threads: f32(w, x, out, threads)
         if dt == types.int16:
             return lambda w, s, x, out, group, vnni, threads: bf16(w, x, out, threads)
+        if dt == types.int8 and scale_dims == 2:
+            def int8g_impl(w, s, x, out, group, vnni, threads):
+                if vnni:
+                    int8g_vnni(w, s, x, out, threads)
+                else:
+                    int8g(w, s, x, out, threads)
+            return int8g_impl
         if dt == types.int8:
             def int8_impl(w, s, x, out, group, vnni, threads):
                 if vnni:
@@ -77,13 +85,15 @@ if numba is not None:
 
     @overload(project)
     def _project(w, s, x, out, group, vnni, threads):
-        return _by_dtype(w.dtype, cpu_gemv._gemv_rows, cpu_bf16._bf16_gemv, cpu_quant._int8_gemv,
-                         cpu_quant._int8_gemv_vnni, cpu_quant._int4_gemv, cpu_quant._int4_gemv_vnni)
+        return _by_dtype(w.dtype, s.ndim, cpu_gemv._gemv_rows, cpu_bf16._bf16_gemv, cpu_quant._int8_gemv,
+                         cpu_quant._int8_gemv_vnni, cpu_quant._int8g_gemv, cpu_quant._int8g_gemv_vnni,
+                         cpu_quant._int4_gemv, cpu_quant._int4_gemv_vnni)
 
     @overload(project_swiglu)
     def _project_swiglu(w, s, x, out, group, vnni, threads):
-        return _by_dtype(w.dtype, cpu_gemv._gemv_swiglu, cpu_bf16._bf16_swiglu, cpu_quant._int8_swiglu,
-                         cpu_quant._int8_swiglu_vnni, cpu_quant._int4_swiglu, cpu_quant._int4_swiglu_vnni)
+        return _by_dtype(w.dtype, s.ndim, cpu_gemv._gemv_swiglu, cpu_bf16._bf16_swiglu, cpu_quant._int8_swiglu,
+                         cpu_quant._int8_swiglu_vnni, cpu_quant._int8g_swiglu, cpu_quant._int8g_swiglu_vnni,
+                         cpu_quant._int4_swiglu, cpu_quant._int4_swiglu_vnni)
 
     @njit(cache=True)
     def _add_bias(out, bias):  # pragma: no cover - compiled
@@ -128,7 +138,7 @@ def uses_vnni(fmt: str, n_in: int, rows: int, group: int) -> bool:
     """Whether a projection of this format runs its int8-activation kernel at `rows` input rows,
     by the rules the eager dispatch follows (cpu_quant.int8_int8 / int8_activations)."""
     if fmt == "int8":
-        return cpu_quant.int8_int8(n_in)
+        return cpu_quant.int8_int8(n_in, group)
     return fmt == "int4" and cpu_quant.int8_activations(rows, group, n_in)
 
 

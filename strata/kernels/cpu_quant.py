@@ -37,6 +37,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from strata.errors import ConfigError
 from strata.kernels import cpu_gemm, cpu_gemv, cpu_w8a8
 from strata.kernels.cpu_w8a8 import (  # noqa: F401
     INT4_PREFILL_ENV,
@@ -63,13 +64,17 @@ try:
         i4_row,
         i4_row_bf16,
         i4_row_bf16_lut,
+        i4g32_dot4_vnni,
         i8_dot,
         i8_dot_vnni,
+        i8_dot_vnni_g32,
+        i8g_dot4_vnni,
     )
 except ImportError:  # pragma: no cover - exercised only where numba is absent
     numba = None
 
 MAX_ROWS = 16  # measured like cpu_gemv: above this, dequantise + fp32 GEMM
+PREFILL_ROW_BLOCK = 64  # group-32 prefill: input rows per pass over the weight (their int8 codes stay in L2)
 
 
 def available() -> bool:
@@ -82,10 +87,12 @@ _AVX512BW = numba is not None and has_avx512bw()  # VPERMW: int4 -> bf16 by tabl
 
 def int8_activations(rows: int, group_size: int, n_in: int) -> bool:
     """Whether an int4 GEMV over `rows` input rows of `n_in` columns runs the int8-activation
-    (VNNI) kernel: groups of 64+ columns, or of 32 (Q4_0's). The same for every row length, so a
-    tensor-parallel shard takes the kernel its unsharded model does."""
+    (VNNI) kernel: batch 1 with groups of 64+ columns; any row count with groups of 32 (Q4_0's: the
+    activations in llama.cpp's q8_0 blocks, prefill included, so a GGUF computes as llama.cpp
+    does). The same for every row length, so a tensor-parallel shard takes the kernel its
+    unsharded model does."""
     return (
-        _VNNI and rows == 1 and group_size % 32 == 0 and n_in % group_size == 0
+        _VNNI and (rows == 1 or group_size == 32) and group_size % 32 == 0 and n_in % group_size == 0
         and not SETTINGS.int4_fp32_activations
     )
 
@@ -93,11 +100,27 @@ def int8_activations(rows: int, group_size: int, n_in: int) -> bool:
 INT8_ACT_GROUP = 64  # one VPDPBUSD (64 bytes) per activation scale
 
 
-def int8_int8(n_in: int) -> bool:
+GROUP32_PREFILLS = ("fast", "q8_0")
+
+
+def _group32_prefill_q8_0() -> bool:
+    choice = SETTINGS.group32_prefill
+    if choice not in GROUP32_PREFILLS:
+        raise ConfigError(f"STRATA_GROUP32_PREFILL={choice!r}: choose one of {', '.join(GROUP32_PREFILLS)}")
+    return choice == "q8_0"
+
+
+def _group32_int8_activations(method: str, rows: int, n_in: int) -> bool:
+    """Whether a group-32 weight (grouped int8, int4 group 32) runs its int8-activation kernel."""
+    return int8_int8(n_in, 32) if method == "int8" else int8_activations(rows, 32, n_in)
+
+
+def int8_int8(n_in: int, group_size: int = 0) -> bool:
     """Whether an int8 GEMV runs the int8-activation (VNNI) kernel: the input rows quantised to
-    int8 in groups of INT8_ACT_GROUP columns (STRATA_INT8_FP32_ACTIVATIONS=1 keeps fp32 inputs)."""
+    int8 in groups of INT8_ACT_GROUP columns (STRATA_INT8_FP32_ACTIVATIONS=1 keeps fp32 inputs);
+    grouped int8 (group_size 32) in llama.cpp's q8_0 blocks, at any row count."""
     return (
-        _VNNI and n_in % INT8_ACT_GROUP == 0
+        _VNNI and n_in % (group_size or INT8_ACT_GROUP) == 0
         and not SETTINGS.int8_fp32_activations
     )
 
@@ -193,14 +216,45 @@ if numba is not None:
                         u = f32_dot(bu, x[j])
                         out[j, r] = g / (np.float32(1.0) + np.exp(-g)) * u
 
-    @njit(fastmath=True, cache=True)
+    @njit(cache=True)  # no fastmath: the rounding is llama.cpp's, operation for operation
+    def _quant_q8(x, xq, xs):  # pragma: no cover - compiled
+        """One input row -> its int8 codes xq and fp32 scales xs per 32 columns, as llama.cpp's
+        q8_0 block (quant_formats.quantize_activations_q8_0_ref): d = fp16(max|x| / 127) (round to
+        nearest even, fp16 subnormals included), q = rint(x * (127 / max|x|))."""
+        ng = x.shape[0] // 32
+        for g in range(ng):
+            m = np.float32(0.0)
+            for c in range(g * 32, g * 32 + 32):
+                m = max(m, abs(x[c]))
+            inv = np.float32(127.0) / m if m > 0 else np.float32(0.0)
+            for c in range(g * 32, g * 32 + 32):
+                xq[c] = np.int8(np.rint(x[c] * inv))
+            xs[g] = m / np.float32(127.0)
+        bits = xs.view(np.uint32)
+        for g in range(ng):
+            if xs[g] < np.float32(6.103515625e-05):  # an fp16 subnormal: steps of 2^-24
+                xs[g] = np.float32(np.rint(xs[g] * np.float32(16777216.0)) * np.float32(5.9604644775390625e-08))
+            else:  # keep 10 mantissa bits, rounded to nearest even
+                b = bits[g]
+                bits[g] = (b + np.uint32(0x0FFF) + ((b >> np.uint32(13)) & np.uint32(1))) & np.uint32(0xFFFFE000)
+
+    @njit(cache=True)  # no fastmath: see _quant_q8
     def _quant_x(x, group):  # pragma: no cover - compiled
-        """One input row -> (int8 row, per-group scales, per-group 8 * scale * sum of the int8s)."""
+        """One input row -> (int8 row, per-group scales, per-group 8 * scale * sum of the int8s);
+        groups of 32 in llama.cpp's q8_0 blocks (_quant_q8)."""
         n = x.shape[0]
         ng = n // group
         xq = np.empty(n, np.int8)
         xs = np.empty(ng, np.float32)
         off = np.empty(ng, np.float32)
+        if group == 32:
+            _quant_q8(x, xq, xs)
+            for g in range(ng):
+                total = 0
+                for c in range(g * 32, g * 32 + 32):
+                    total += xq[c]
+                off[g] = np.float32(8.0) * xs[g] * np.float32(total)
+            return xq, xs, off
         for g in range(ng):
             m = np.float32(0.0)
             for c in range(g * group, (g + 1) * group):
@@ -225,42 +279,49 @@ if numba is not None:
             return i4_dot_vnni_g32(wr, sr, xq, xs) - o
         return i4_dot_vnni(wr, sr, xq, xs, half) - o
 
+    @njit(cache=True)  # no fastmath: see _quant_q8
+    def _quant_rows(x, group):  # pragma: no cover - compiled
+        """_quant_x of every input row: (int8 rows, scales, offsets)."""
+        rows, n = x.shape
+        xq = np.empty((rows, n), np.int8)
+        xs = np.empty((rows, n // group), np.float32)
+        off = np.empty((rows, n // group), np.float32)
+        for j in range(rows):
+            q, sc, o = _quant_x(x[j], group)
+            xq[j] = q
+            xs[j] = sc
+            off[j] = o
+        return xq, xs, off
+
     @njit(parallel=True, fastmath=True, cache=True)
     def _int4_gemv_vnni(w, s, x, out, group, threads):  # pragma: no cover - compiled
         n_out = w.shape[0]
-        xq, xs, off = _quant_x(x[0], group)
+        rows = x.shape[0]
+        xq, xs, off = _quant_rows(x, group)
         per = (n_out + threads - 1) // threads
         for t in prange(threads):
             for r in range(t * per, min(n_out, (t + 1) * per)):
-                out[0, r] = _i4_row_vnni(w[r], s[r], xq, xs, off, group // 2)
+                for j in range(rows):
+                    out[j, r] = _i4_row_vnni(w[r], s[r], xq[j], xs[j], off[j], group // 2)
 
     @njit(parallel=True, fastmath=True, cache=True)
     def _int4_swiglu_vnni(w, s, x, out, group, threads):  # pragma: no cover - compiled
         half_rows = w.shape[0] // 2
-        xq, xs, off = _quant_x(x[0], group)
+        rows = x.shape[0]
+        xq, xs, off = _quant_rows(x, group)
         per = (half_rows + threads - 1) // threads
         for t in prange(threads):
             for r in range(t * per, min(half_rows, (t + 1) * per)):
-                g = _i4_row_vnni(w[r], s[r], xq, xs, off, group // 2)
-                u = _i4_row_vnni(w[r + half_rows], s[r + half_rows], xq, xs, off, group // 2)
-                out[0, r] = g / (np.float32(1.0) + np.exp(-g)) * u
-
-    @njit(fastmath=True, cache=True)
-    def _quant_rows(x, group):  # pragma: no cover - compiled
-        rows, n = x.shape
-        xq = np.empty((rows, n), np.int8)
-        xs = np.empty((rows, n // group), np.float32)
-        for j in range(rows):
-            q, sc, _ = _quant_x(x[j], group)
-            xq[j] = q
-            xs[j] = sc
-        return xq, xs
+                for j in range(rows):
+                    g = _i4_row_vnni(w[r], s[r], xq[j], xs[j], off[j], group // 2)
+                    u = _i4_row_vnni(w[r + half_rows], s[r + half_rows], xq[j], xs[j], off[j], group // 2)
+                    out[j, r] = g / (np.float32(1.0) + np.exp(-g)) * u
 
     @njit(parallel=True, fastmath=True, cache=True)
     def _int8_gemv_vnni(w, s, x, out, threads):  # pragma: no cover - compiled
         n_out = w.shape[0]
         rows = x.shape[0]
-        xq, xs = _quant_rows(x, 64)
+        xq, xs, _ = _quant_rows(x, 64)
         per = (n_out + threads - 1) // threads
         for t in prange(threads):
             for r in range(t * per, min(n_out, (t + 1) * per)):
@@ -272,7 +333,7 @@ if numba is not None:
     def _int8_swiglu_vnni(w, s, x, out, threads):  # pragma: no cover - compiled
         half_rows = w.shape[0] // 2
         rows = x.shape[0]
-        xq, xs = _quant_rows(x, 64)
+        xq, xs, _ = _quant_rows(x, 64)
         per = (half_rows + threads - 1) // threads
         for t in prange(threads):
             for r in range(t * per, min(half_rows, (t + 1) * per)):
@@ -282,6 +343,177 @@ if numba is not None:
                     g = i8_dot_vnni(wg, xq[j], xs[j]) * s[r]
                     u = i8_dot_vnni(wu, xq[j], xs[j]) * s[r + half_rows]
                     out[j, r] = g / (np.float32(1.0) + np.exp(-g)) * u
+
+    # grouped int8 (scale [out, in / 32]: a Q8_0 file's blocks)
+
+    @njit(parallel=True, fastmath=True, cache=True)
+    def _int8g_gemv_vnni(w, s, x, out, threads):  # pragma: no cover - compiled
+        n_out = w.shape[0]
+        rows = x.shape[0]
+        xq, xs, _ = _quant_rows(x, 32)
+        per = (n_out + threads - 1) // threads
+        for t in prange(threads):
+            for r in range(t * per, min(n_out, (t + 1) * per)):
+                wr = w[r]
+                sr = s[r]
+                for j in range(rows):
+                    out[j, r] = i8_dot_vnni_g32(wr, sr, xq[j], xs[j])
+
+    @njit(parallel=True, fastmath=True, cache=True)
+    def _int8g_swiglu_vnni(w, s, x, out, threads):  # pragma: no cover - compiled
+        half_rows = w.shape[0] // 2
+        rows = x.shape[0]
+        xq, xs, _ = _quant_rows(x, 32)
+        per = (half_rows + threads - 1) // threads
+        for t in prange(threads):
+            for r in range(t * per, min(half_rows, (t + 1) * per)):
+                for j in range(rows):
+                    g = i8_dot_vnni_g32(w[r], s[r], xq[j], xs[j])
+                    u = i8_dot_vnni_g32(w[r + half_rows], s[r + half_rows], xq[j], xs[j])
+                    out[j, r] = g / (np.float32(1.0) + np.exp(-g)) * u
+
+    @njit(fastmath=True, cache=True, inline="always")
+    def _i8g_dot(wr, sr, xj):  # pragma: no cover - compiled
+        """sum_g sr[g] * sum_k wr[k] * xj[k] over groups of 32 columns, in fp32."""
+        total = np.float32(0.0)
+        for g in range(sr.shape[0]):
+            part = np.float32(0.0)
+            for c in range(g * 32, g * 32 + 32):
+                part += np.float32(wr[c]) * xj[c]
+            total += part * sr[g]
+        return total
+
+    @njit(parallel=True, fastmath=True, cache=True)
+    def _int8g_gemv(w, s, x, out, threads):  # pragma: no cover - compiled
+        n_out = w.shape[0]
+        rows = x.shape[0]
+        per = (n_out + threads - 1) // threads
+        for t in prange(threads):
+            for r in range(t * per, min(n_out, (t + 1) * per)):
+                for j in range(rows):
+                    out[j, r] = _i8g_dot(w[r], s[r], x[j])
+
+    @njit(parallel=True, fastmath=True, cache=True)
+    def _int8g_swiglu(w, s, x, out, threads):  # pragma: no cover - compiled
+        half_rows = w.shape[0] // 2
+        rows = x.shape[0]
+        per = (half_rows + threads - 1) // threads
+        for t in prange(threads):
+            for r in range(t * per, min(half_rows, (t + 1) * per)):
+                for j in range(rows):
+                    g = _i8g_dot(w[r], s[r], x[j])
+                    u = _i8g_dot(w[r + half_rows], s[r + half_rows], x[j])
+                    out[j, r] = g / (np.float32(1.0) + np.exp(-g)) * u
+
+    @njit(parallel=True, fastmath=True, cache=True)
+    def _int8g_dequant(w, s, out, threads):  # pragma: no cover - compiled
+        n_out, n_in = w.shape
+        per = (n_out + threads - 1) // threads
+        for t in prange(threads):
+            for r in range(t * per, min(n_out, (t + 1) * per)):
+                for c in range(n_in):
+                    out[r, c] = np.float32(w[r, c]) * s[r, c // 32]
+
+    @njit(parallel=True, fastmath=True, cache=True)
+    def _int8g_dequant_bf16(w, s, out, threads):  # pragma: no cover - compiled
+        n_out, n_in = w.shape
+        per = (n_out + threads - 1) // threads
+        for t in prange(threads):
+            row = np.empty(n_in, np.float32)
+            for r in range(t * per, min(n_out, (t + 1) * per)):
+                for c in range(n_in):
+                    row[c] = np.float32(w[r, c]) * s[r, c // 32]
+                _round_bf16(row, out[r])
+
+    @njit(cache=True)
+    def _int8g_rows(w, s, ids, out):  # pragma: no cover - compiled
+        """Grouped int8 rows as quant_formats.dequantize_int8_ref (q * its group's scale)."""
+        for i in range(ids.shape[0]):
+            r = ids[i]
+            if r < 0 or r >= w.shape[0]:
+                return False
+            for c in range(w.shape[1]):
+                out[i, c] = np.float32(w[r, c]) * s[r, c // 32]
+        return True
+
+    # group-32 prefill: one weight row against four input rows per step (cpu_simd's dot4 kernels)
+
+    @njit(cache=True)
+    def _lane_scales(xs, rows_padded, packed):  # pragma: no cover - compiled
+        """Per-row group scales repeated per int32 lane of the dot4 kernels (fp32 [rows_padded, n / 4])."""
+        rows, ng = xs.shape
+        xl = np.zeros((rows_padded, ng * 8), np.float32)
+        for j in range(rows):
+            for p in range(ng // 2):
+                for lane in range(16):
+                    half = (lane // 4) % 2 if packed else lane // 8
+                    xl[j, p * 16 + lane] = xs[j, 2 * p + half]
+        return xl
+
+    @njit(fastmath=True, cache=True)
+    def _prep_int8g(x):  # pragma: no cover - compiled
+        rows, n = x.shape
+        xq, xs, _ = _quant_rows(x, 32)
+        padded = (rows + 3) // 4 * 4
+        xu = np.full((padded, n), 128, np.uint8)  # +128: a zero input in the padding rows
+        for j in range(rows):
+            for c in range(n):
+                xu[j, c] = np.uint8(np.int32(xq[j, c]) + 128)
+        return xu, _lane_scales(xs, padded, False)
+
+    @njit(fastmath=True, cache=True)
+    def _prep_int4g32(x):  # pragma: no cover - compiled
+        rows, n = x.shape
+        xq, xs, _ = _quant_rows(x, 32)
+        padded = (rows + 3) // 4 * 4
+        xp = np.zeros((padded, n), np.int8)
+        xoff = np.zeros((padded, n // 4), np.int32)
+        for j in range(rows):
+            for p in range(n // 64):
+                base = p * 64
+                for k in range(16):  # [g cols 0-15, g+1 cols 0-15, g cols 16-31, g+1 cols 16-31]
+                    xp[j, base + k] = xq[j, base + k]
+                    xp[j, base + 16 + k] = xq[j, base + 32 + k]
+                    xp[j, base + 32 + k] = xq[j, base + 16 + k]
+                    xp[j, base + 48 + k] = xq[j, base + 48 + k]
+                for h in range(2):
+                    total = 0
+                    for c in range(base + 32 * h, base + 32 * h + 32):
+                        total += np.int32(xq[j, c])
+                    xoff[j, p * 16 + 4 * h] = 8 * total
+        return xp, _lane_scales(xs, padded, True), xoff
+
+    @njit(parallel=True, fastmath=True, cache=True)
+    def _int8g_gemm_vnni(w, s, x, out, threads):  # pragma: no cover - compiled
+        n_out = w.shape[0]
+        rows = x.shape[0]
+        xu, xl = _prep_int8g(x)
+        per = (n_out + threads - 1) // threads
+        for t in prange(threads):
+            o4 = np.empty(4, np.float32)
+            for r in range(t * per, min(n_out, (t + 1) * per)):
+                wr = w[r]
+                sr = s[r]
+                for j0 in range(0, xu.shape[0], 4):
+                    i8g_dot4_vnni(wr, sr, xu[j0:j0 + 4], xl[j0:j0 + 4], o4)
+                    for j in range(min(4, rows - j0)):
+                        out[j0 + j, r] = o4[j]
+
+    @njit(parallel=True, fastmath=True, cache=True)
+    def _int4g32_gemm_vnni(w, s, x, out, threads):  # pragma: no cover - compiled
+        n_out = w.shape[0]
+        rows = x.shape[0]
+        xp, xl, xoff = _prep_int4g32(x)
+        per = (n_out + threads - 1) // threads
+        for t in prange(threads):
+            o4 = np.empty(4, np.float32)
+            for r in range(t * per, min(n_out, (t + 1) * per)):
+                wr = w[r]
+                sr = s[r]
+                for j0 in range(0, xp.shape[0], 4):
+                    i4g32_dot4_vnni(wr, sr, xp[j0:j0 + 4], xl[j0:j0 + 4], xoff[j0:j0 + 4], o4)
+                    for j in range(min(4, rows - j0)):
+                        out[j0 + j, r] = o4[j]
 
     @njit(parallel=True, fastmath=True, cache=True)
     def _int8_dequant(w, s, out, threads):  # pragma: no cover - compiled
@@ -390,7 +622,10 @@ def _np(t: torch.Tensor | np.ndarray) -> np.ndarray:
 
 def _check(method: str, in_features: int, qweight, scale, group_size: int) -> None:
     """The kernels index without bounds checks: shapes must agree (a cheap guard per call)."""
-    if method == "int8":
+    if method == "int8" and len(scale.shape) == 2:  # grouped: groups of 32
+        ok = (group_size == 32 and qweight.shape[1] == in_features and scale.shape[1] * 32 == in_features
+              and scale.shape[0] == qweight.shape[0])
+    elif method == "int8":
         ok = qweight.shape[1] == in_features and scale.shape[0] == qweight.shape[0]
     else:  # 16-byte steps per group: group_size a multiple of 32
         ok = (group_size % 32 == 0 and 2 * qweight.shape[1] == in_features
@@ -415,7 +650,7 @@ def dequantize(
     out = torch.empty(qweight.shape[0], in_features, dtype=torch.float32)
     threads = cpu_gemv.sync_threads()
     if method == "int8":
-        _int8_dequant(_np(qweight), _np(scale), out.numpy(), threads)
+        (_int8g_dequant if len(scale.shape) == 2 else _int8_dequant)(_np(qweight), _np(scale), out.numpy(), threads)
     else:
         _int4_dequant(_np(qweight), _np(scale), out.numpy(), group_size, threads)
     return out
@@ -446,7 +681,7 @@ def dequantize_bf16(
     bits = out.view(torch.int16).numpy().view(np.uint16)
     threads = cpu_gemv.sync_threads()
     if method == "int8":
-        _int8_dequant_bf16(_np(qweight), _np(scale), bits, threads)
+        (_int8g_dequant_bf16 if len(scale.shape) == 2 else _int8_dequant_bf16)(_np(qweight), _np(scale), bits, threads)
     else:
         _int4_dequant_bf16(_np(qweight), _np(scale), bits, group_size, threads, _AVX512BW)
     return out
@@ -475,7 +710,17 @@ def matmul(
     w, s = _np(qweight), _np(scale)
     n_out, n_in = w.shape[0], x.shape[1]
     _check(method, n_in, w, s, group_size)
-    if path == "int8" and cpu_w8a8.prefill_enabled(method):
+    grouped_int8 = method == "int8" and s.ndim == 2  # no W8A8 form: its scales change along a row
+    w8a8 = path == "int8" and cpu_w8a8.prefill_enabled(method) and not grouped_int8
+    if group_size == 32 and _group32_prefill_q8_0() and _group32_int8_activations(method, x.shape[0], n_in):
+        # STRATA_GROUP32_PREFILL=q8_0, a GGUF's Q8_0 / Q4_0 layouts: integer kernels over blocks of
+        # rows, so prefill rounds its activations as llama.cpp and decode do. Measured ~2x slower
+        # than the bf16 GEMM path on a Xeon (AMX) and no better greedy agreement with llama.cpp
+        # (docs/design-notes.md "GGUF files"), hence opt-in.
+        out = torch.cat([_group32_rows(method, x[j:j + PREFILL_ROW_BLOCK], w, s)
+                         for j in range(0, x.shape[0], PREFILL_ROW_BLOCK)])
+        return out if bias is None else out.add_(bias)
+    if w8a8:
         out, refused = cpu_w8a8.matmul(x, w, s) if method == "int8" else cpu_w8a8.matmul_int4(x, w, s, group_size)
         if refused.numel():  # rows with outlier channels: the fallback path's numbers, row by row
             out[refused] = matmul(method, x[refused], w, s, group_size, None, fallback) if refused.numel() > MAX_ROWS \
@@ -503,13 +748,24 @@ def matmul(
             r1 = min(n_out, r0 + tile_rows)
             tile = buf[: r1 - r0]
             if method == "int8":
-                _int8_dequant(w[r0:r1], s[r0:r1], tile.numpy(), threads)
+                (_int8g_dequant if s.ndim == 2 else _int8_dequant)(w[r0:r1], s[r0:r1], tile.numpy(), threads)
             else:
                 _int4_dequant(w[r0:r1], s[r0:r1], tile.numpy(), group_size, threads)
             out[:, r0:r1] = cpu_gemm.tile_mm(x, tile, path)
     if bias is not None:
         out += bias
     return out
+
+
+def _group32_rows(method: str, x: torch.Tensor, w: np.ndarray, s: np.ndarray) -> torch.Tensor:
+    """x [rows, in] @ a group-32 weight.T with q8_0 activations: four input rows per weight step
+    (cpu_simd's dot4 kernels) for an even group count, else the GEMV kernel row by row."""
+    if x.shape[1] % 64:
+        return gemv(method, x, w, s, 32)
+    out = np.empty((x.shape[0], w.shape[0]), np.float32)
+    kernel = _int8g_gemm_vnni if method == "int8" else _int4g32_gemm_vnni
+    kernel(w, s, x.contiguous().numpy(), out, cpu_gemv.sync_threads())
+    return torch.from_numpy(out)
 
 
 @kernel("quant_gemv")
@@ -523,7 +779,9 @@ def gemv(
     _check(method, x.shape[1], w, s, group_size)
     out = np.empty((x.shape[0], w.shape[0]), np.float32)  # cheaper than torch.empty(...).numpy()
     threads = cpu_gemv.sync_threads()
-    if method == "int8":
+    if method == "int8" and s.ndim == 2:
+        (_int8g_gemv_vnni if int8_int8(x.shape[1], 32) else _int8g_gemv)(w, s, x.numpy(), out, threads)
+    elif method == "int8":
         (_int8_gemv_vnni if int8_int8(x.shape[1]) else _int8_gemv)(w, s, x.numpy(), out, threads)
     elif int8_activations(x.shape[0], group_size, x.shape[1]):
         _int4_gemv_vnni(w, s, x.numpy(), out, group_size, threads)
@@ -546,7 +804,9 @@ def gemv_swiglu(
     _check(method, x.shape[1], w, s, group_size)
     out = np.empty((x.shape[0], w.shape[0] // 2), np.float32)
     threads = cpu_gemv.sync_threads()
-    if method == "int8":
+    if method == "int8" and s.ndim == 2:
+        (_int8g_swiglu_vnni if int8_int8(x.shape[1], 32) else _int8g_swiglu)(w, s, x.numpy(), out, threads)
+    elif method == "int8":
         (_int8_swiglu_vnni if int8_int8(x.shape[1]) else _int8_swiglu)(w, s, x.numpy(), out, threads)
     elif int8_activations(x.shape[0], group_size, x.shape[1]):
         _int4_swiglu_vnni(w, s, x.numpy(), out, group_size, threads)
@@ -568,7 +828,10 @@ def embedding_rows_np(method: str, w: np.ndarray, s: np.ndarray, flat: np.ndarra
     """embedding_rows on numpy arrays: the weight's and scale's, and int64 token ids [n]."""
     n_in = w.shape[1] * (2 if method == "int4" else 1)
     out = np.empty((flat.shape[0], n_in), np.float32)
-    ok = _int8_rows(w, s, flat, out) if method == "int8" else _int4_rows(w, s, flat, out, group_size)
+    if method == "int8":
+        ok = (_int8g_rows if s.ndim == 2 else _int8_rows)(w, s, flat, out)
+    else:
+        ok = _int4_rows(w, s, flat, out, group_size)
     if not ok:
         raise IndexError(f"token id out of range for an embedding of {w.shape[0]} rows: "
                          f"{flat.min()}..{flat.max()}")

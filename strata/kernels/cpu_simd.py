@@ -572,3 +572,153 @@ def i8_dot_vnni(typingctx, wr, xq, xf):  # pragma: no cover - compiled
         return _hsum(builder, builder.load(row))
 
     return sig, codegen
+
+
+@intrinsic
+def i8_dot_vnni_g32(typingctx, wr, sr, xq, xf):  # pragma: no cover - compiled
+    """sum_g sr[g] * xf[g] * sum_k wr[k] * xq[k] over groups of 32 columns (grouped int8: a Q8_0
+    block each), two groups per VPDPBUSD (an odd last group beside a zero one).
+
+    The signs as in i8_dot_vnni (|w| unsigned, w's sign moved onto x). int32 lanes 0-7 sum group
+    g and lanes 8-15 group g+1; each lane is scaled by its group's sr * xf, as llama.cpp's q8_0 x
+    q8_0 dot scales each block's integer sum by the product of the two block scales."""
+    sig = types.float32(wr, sr, xq, xf)
+
+    def codegen(context, builder, signature, args):
+        w, sc, x, xs = (context.make_array(t)(context, builder, v) for t, v in zip(signature.args, args))
+        f32, vf, _, zero = _vec_consts()
+        i8, i32, i64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
+        vi = ir.VectorType(i32, _VL)
+        v32b, v64b = ir.VectorType(i8, 32), ir.VectorType(i8, 64)
+        zeros = ir.Constant(v64b, [0] * 64)
+        concat = ir.Constant(ir.VectorType(i32, 64), list(range(64)))
+        lane_group = ir.Constant(vi, [0] * 8 + [16] * 8)
+        dpbusd = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(vi, [vi, vi, vi]), "llvm.x86.avx512.vpdpbusd.512"
+        )
+        row = cgutils.alloca_once_value(builder, zero)
+
+        def factor(gk):
+            return builder.fmul(builder.load(builder.gep(sc.data, [gk], inbounds=True)),
+                                builder.load(builder.gep(xs.data, [gk], inbounds=True)), flags=_FAST)
+
+        def accumulate(wv, xv, scales):
+            negative = builder.icmp_signed("<", wv, zeros)
+            w_abs = builder.select(negative, builder.sub(zeros, wv), wv)
+            x_signed = builder.select(negative, builder.sub(zeros, xv), xv)
+            summed = builder.call(dpbusd, [ir.Constant(vi, [0] * _VL), builder.bitcast(w_abs, vi),
+                                           builder.bitcast(x_signed, vi)])
+            scaled = builder.fmul(builder.sitofp(summed, vf), scales, flags=_FAST)
+            builder.store(builder.fadd(builder.load(row), scaled, flags=_FAST), row)
+
+        def load(data, index, vt):
+            return builder.load(builder.bitcast(builder.gep(data, [index], inbounds=True), vt.as_pointer()), align=1)
+
+        ng = cgutils.unpack_tuple(builder, sc.shape, 1)[0]
+        with cgutils.for_range(builder, builder.udiv(ng, ir.Constant(i64, 2))) as pair:
+            p = pair.index
+            g = builder.add(p, p)
+            k = builder.mul(p, ir.Constant(i64, 64))
+            scales = builder.shuffle_vector(_splat(builder, factor(g), vf),
+                                            _splat(builder, factor(builder.add(g, ir.Constant(i64, 1))), vf), lane_group)
+            accumulate(load(w.data, k, v64b), load(x.data, k, v64b), scales)
+        with builder.if_then(builder.icmp_unsigned("!=", builder.and_(ng, ir.Constant(i64, 1)), ir.Constant(i64, 0))):
+            g = builder.sub(ng, ir.Constant(i64, 1))
+            k = builder.mul(g, ir.Constant(i64, 32))
+            pad = ir.Constant(v32b, [0] * 32)
+            wv = builder.shuffle_vector(load(w.data, k, v32b), pad, concat)
+            xv = builder.shuffle_vector(load(x.data, k, v32b), pad, concat)
+            accumulate(wv, xv, _splat(builder, factor(g), vf))
+        return _hsum(builder, builder.load(row))
+
+    return sig, codegen
+
+
+# --- group-32 GEMM rows with VNNI: one weight row against four input rows (prefill) --------------
+
+DOT4_ROWS = 4
+
+
+def _dot4_codegen(packed: bool):
+    """The codegen of i8g_dot4_vnni (packed False) and i4g32_dot4_vnni (packed True)."""
+
+    def codegen(context, builder, signature, args):
+        arrays = [context.make_array(t)(context, builder, v) for t, v in zip(signature.args, args)]
+        w, sc, xv, xl = arrays[:4]
+        xoff = arrays[4] if packed else None
+        out = arrays[-1]
+        f32, vf, _, zero = _vec_consts()
+        i8, i32, i64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
+        vi = ir.VectorType(i32, _VL)
+        v32b, v64b = ir.VectorType(i8, 32), ir.VectorType(i8, 64)
+        concat = ir.Constant(ir.VectorType(i32, 64), list(range(64)))
+        lanes = [0] * 4 + [16] * 4 + [0] * 4 + [16] * 4 if packed else [0] * 8 + [16] * 8
+        lane_group = ir.Constant(vi, lanes)
+        dpbusd = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(vi, [vi, vi, vi]), "llvm.x86.avx512.vpdpbusd.512"
+        )
+        accs = [cgutils.alloca_once_value(builder, zero) for _ in range(DOT4_ROWS)]
+        n_in, lane_n = (cgutils.unpack_tuple(builder, a.shape, 2)[1] for a in (xv, xl))
+        pairs = builder.udiv(cgutils.unpack_tuple(builder, sc.shape, 1)[0], ir.Constant(i64, 2))
+
+        def load(data, index, vt, align=1):
+            return builder.load(builder.bitcast(builder.gep(data, [index], inbounds=True), vt.as_pointer()), align=align)
+
+        with cgutils.for_range(builder, pairs) as pair:
+            p = pair.index
+            g = builder.add(p, p)
+            if packed:  # 32 bytes: the two groups' low then high nibbles, unsigned
+                b = load(w.data, builder.mul(p, ir.Constant(i64, 32)), v32b)
+                wv = builder.shuffle_vector(builder.and_(b, ir.Constant(v32b, [15] * 32)),
+                                            builder.lshr(b, ir.Constant(v32b, [4] * 32)), concat)
+                wi = builder.bitcast(wv, vi)
+            else:  # 64 signed bytes; the inputs come offset by +128, so subtract 128 * sum(w)
+                wi = builder.bitcast(load(w.data, builder.mul(p, ir.Constant(i64, 64)), v64b), vi)
+                corr = builder.call(dpbusd, [ir.Constant(vi, [0] * _VL), ir.Constant(vi, [0x80808080 - (1 << 32)] * _VL), wi])
+            wsc = builder.shuffle_vector(
+                _splat(builder, builder.load(builder.gep(sc.data, [g], inbounds=True)), vf),
+                _splat(builder, builder.load(builder.gep(sc.data, [builder.add(g, ir.Constant(i64, 1))], inbounds=True)), vf),
+                lane_group)
+            k = builder.mul(p, ir.Constant(i64, 64))
+            kl = builder.mul(p, ir.Constant(i64, _VL))
+            for j, acc in enumerate(accs):
+                row = ir.Constant(i64, j)
+                x = builder.bitcast(load(xv.data, builder.add(builder.mul(row, n_in), k), v64b), vi)
+                lane = builder.add(builder.mul(row, lane_n), kl)
+                if packed:  # nibbles unsigned x inputs signed; the -8 offset per group, in lanes
+                    dot = builder.sub(builder.call(dpbusd, [ir.Constant(vi, [0] * _VL), wi, x]),
+                                      load(xoff.data, lane, vi, 4))
+                else:  # inputs unsigned (+128) x weights signed
+                    dot = builder.sub(builder.call(dpbusd, [ir.Constant(vi, [0] * _VL), x, wi]), corr)
+                scale = builder.fmul(wsc, load(xl.data, lane, vf, 4), flags=_FAST)
+                term = builder.fmul(builder.sitofp(dot, vf), scale, flags=_FAST)
+                builder.store(builder.fadd(builder.load(acc), term, flags=_FAST), acc)
+        for j, acc in enumerate(accs):
+            builder.store(_hsum(builder, builder.load(acc)), builder.gep(out.data, [ir.Constant(i64, j)], inbounds=True))
+        return context.get_dummy_value()
+
+    return codegen
+
+
+@intrinsic
+def i8g_dot4_vnni(typingctx, wr, sr, xu, xl, out):  # pragma: no cover - compiled
+    """out[j] = sum_g sr[g] * xs[j, g] * sum_k wr[k] * xq[j, k] for four input rows j at once
+    (grouped int8: groups of 32, an even number of them), one weight load for four VPDPBUSDs.
+
+    xu holds the rows' int8 codes offset by +128 (uint8 [4, n_in]), so VPDPBUSD takes them as its
+    unsigned side and the weights as they are: no per-row sign handling; 128 * sum(w) per lane is
+    subtracted once per weight step. xl: each row's scales repeated per int32 lane (fp32 [4,
+    n_in / 4]: lanes 0-7 group g, 8-15 group g+1). The same sums as i8_dot_vnni_g32, row by row."""
+    return types.void(wr, sr, xu, xl, out), _dot4_codegen(False)
+
+
+@intrinsic
+def i4g32_dot4_vnni(typingctx, wr, sr, xp, xl, xoff, out):  # pragma: no cover - compiled
+    """out[j] = sum_g sr[g] * xs[j, g] * sum_k (q[k] - 8) * xq[j, k] for four input rows at once
+    (int4 group 32, an even number of groups), the nibbles unpacked once for four VPDPBUSDs.
+
+    xp: the rows' int8 codes permuted per 64 columns into the order i4_dot_vnni_g32 builds its x
+    vector in (int8 [4, n_in]); xl: each row's scales per int32 lane (lanes 0-3 and 8-11 group g,
+    4-7 and 12-15 group g+1); xoff: int32 [4, n_in / 4], 8 * sum of each group's codes in the
+    group's first lane (0 elsewhere): the nibbles' -8 offset, subtracted in integers."""
+    return types.void(wr, sr, xp, xl, xoff, out), _dot4_codegen(True)

@@ -2,6 +2,9 @@
 
 - int8: `qweight` int8 [out, in], `scale` fp32 [out]; symmetric per output channel,
   w ~= qweight * scale with qweight in [-127, 127].
+- int8 grouped (group_size 32, a GGUF's Q8_0 read exactly; graph/gguf_weights.py): the same
+  qweight, `scale` fp32 [out, in / 32], one per 32 input columns (llama.cpp's q8_0 block: its fp16
+  scale widened, its 32 int8 codes as they are).
 - int4: `qweight` uint8 [out, in / 2], `scale` fp32 [out, in / group_size]; symmetric per group of
   `group_size` input columns, w ~= (q - 8) * scale with q in [0, 15]. Two nibbles per byte, laid
   out per group: byte k of a group of L columns holds column k (low nibble) and column k + L/2
@@ -32,9 +35,19 @@ def int4_group_size(in_features: int, group_size: int) -> int | None:
     return g if in_features % g == 0 else None
 
 
-def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [out, in] (any float dtype) -> (int8 [out, in], fp32 scale [out])."""
+INT8_GROUP = 32  # the one grouped int8 layout: a Q8_0 block
+
+
+def quantize_int8(w: torch.Tensor, group_size: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [out, in] (any float dtype) -> (int8 [out, in], fp32 scale [out]; group_size 32: [out, in / 32])."""
     w = w.detach().float()
+    if group_size:
+        n_out, n_in = w.shape
+        wg = w.view(n_out, n_in // group_size, group_size)
+        amax = wg.abs().amax(dim=2)
+        scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+        q = torch.round(wg / scale[..., None]).clamp_(-127, 127).to(torch.int8).view(n_out, n_in)
+        return q, scale
     amax = w.abs().amax(dim=1)
     scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
     q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
@@ -62,6 +75,9 @@ def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch
 def dequantize_int8_ref(
     qweight: torch.Tensor, scale: torch.Tensor, dtype=torch.float32
 ) -> torch.Tensor:
+    if scale.dim() == 2:  # grouped
+        n_out, ng = scale.shape
+        return (qweight.to(torch.float32).view(n_out, ng, -1) * scale[..., None]).view(n_out, -1).to(dtype)
     return (qweight.to(torch.float32) * scale[:, None]).to(dtype)
 
 
@@ -85,6 +101,23 @@ def quantize_activations_ref(x: torch.Tensor, group_size: int) -> torch.Tensor:
     scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
     q = torch.round(xg * (1.0 / scale)).clamp_(-127, 127)
     return (q * scale).reshape(rows, n_in)
+
+
+def quantize_activations_q8_0_ref(x: torch.Tensor) -> torch.Tensor:
+    """x [rows, in] as the group-32 int8-activation kernels see it (int8 grouped and int4 group 32,
+    the layouts of a GGUF's Q8_0 / Q4_0), back in fp32: llama.cpp's q8_0 block, per row and 32
+    columns d = fp16(max|x| / 127), q = round(x * 127 / max|x|) (half to even; 0 for an all-zero
+    block), returned as q * d. Matching llama.cpp's activation rounding keeps a GGUF's greedy tokens
+    on llama.cpp's."""
+    rows, n_in = x.shape
+    xg = x.to(torch.float32).reshape(rows, n_in // 32, 32)
+    amax = xg.abs().amax(dim=2, keepdim=True)
+    d = (amax / 127.0).to(torch.float16).to(torch.float32)
+    # tensor / tensor: an IEEE division, as llama.cpp's scalar 127.f / max (torch computes
+    # scalar / tensor as a reciprocal times the scalar: one ulp off at times, flipping ties)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    q = torch.round(xg * inv).clamp_(-127, 127)
+    return (q * d).reshape(rows, n_in)
 
 
 def requantize_int4_ref(qweight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

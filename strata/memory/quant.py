@@ -53,8 +53,10 @@ def layer_format(method: str, in_features: int, group_size: int) -> tuple[str, i
     return "int8", 0
 
 
-def quantized_bytes(method: str, out_features: int, in_features: int, group_size: int) -> int:
+def quantized_bytes(method: str, out_features: int, in_features: int, group_size: int, grouped_int8: bool = False) -> int:
     """Bytes of one quantised weight matrix (data + fp32 scales), as QuantLinear stores it."""
+    if method == "int8" and grouped_int8:
+        return out_features * in_features + 4 * out_features * (in_features // quant_formats.INT8_GROUP)
     method, g = layer_format(method, in_features, group_size)
     if method == "int8":
         return out_features * in_features + 4 * out_features
@@ -79,8 +81,14 @@ class QuantLinear(nn.Module):
 
     @classmethod
     def empty(cls, method: str, out_features: int, in_features: int, group_size: int,
-              bias: torch.Tensor | None, device: torch.device | str) -> QuantLinear:
-        """An uninitialised QuantLinear of this shape (on `meta`: for the loader to place and fill)."""
+              bias: torch.Tensor | None, device: torch.device | str, grouped_int8: bool = False) -> QuantLinear:
+        """An uninitialised QuantLinear of this shape (on `meta`: for the loader to place and fill).
+        grouped_int8: int8 with a scale per 32 columns (a GGUF's Q8_0, exactly) instead of per row."""
+        if method == "int8" and grouped_int8:
+            g = quant_formats.INT8_GROUP
+            qweight = torch.empty(out_features, in_features, dtype=torch.int8, device=device)
+            scale = torch.empty(out_features, in_features // g, dtype=torch.float32, device=device)
+            return cls(method, qweight, scale, in_features, g, bias)
         method, g = layer_format(method, in_features, group_size)
         if method == "int8":
             qweight = torch.empty(out_features, in_features, dtype=torch.int8, device=device)
@@ -91,10 +99,10 @@ class QuantLinear(nn.Module):
         return cls(method, qweight, scale, in_features, g, bias)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, method: str, group_size: int) -> QuantLinear:
+    def from_linear(cls, linear: nn.Linear, method: str, group_size: int, grouped_int8: bool = False) -> QuantLinear:
         w = linear.weight.detach()
         bias = None if linear.bias is None else linear.bias.detach()
-        q = cls.empty(method, linear.out_features, linear.in_features, group_size, bias, w.device)
+        q = cls.empty(method, linear.out_features, linear.in_features, group_size, bias, w.device, grouped_int8)
         if w.device.type != "meta":
             q.quantize_rows(0, w)
         return q
@@ -111,7 +119,7 @@ class QuantLinear(nn.Module):
             if ops.quantize_weight_rows(self.method, part, self.qweight[rows], self.scale[rows], self.group_size):
                 continue
             if self.method == "int8":
-                q, s = quant_formats.quantize_int8(part)
+                q, s = quant_formats.quantize_int8(part, self.group_size)
             else:
                 q, s = quant_formats.quantize_int4(part, self.group_size)
             self.qweight[rows].copy_(q)
@@ -141,7 +149,7 @@ class QuantLinear(nn.Module):
         return quant_swiglu(x, self)
 
     def extra_repr(self) -> str:
-        g = f", group_size={self.group_size}" if self.method == "int4" else ""
+        g = f", group_size={self.group_size}" if self.group_size else ""
         return f"{self.method}, in_features={self.in_features}, out_features={self.out_features}{g}"
 
 
@@ -180,15 +188,17 @@ def _release_heap() -> None:
         pass
 
 
-def quantize_model(model: nn.Module, method: str, group_size: int = 64, keep_int8: set[str] = frozenset()) -> nn.Module:
+def quantize_model(model: nn.Module, method: str, group_size: int = 64,
+                   formats: dict[str, tuple[str, int]] | None = None) -> nn.Module:
     """Replace the model's dense projections by QuantLinear modules, in place; returns the model.
     On a model built on `meta` the QuantLinears are left empty, for the loader to fill.
 
     method: "int8" (per-output-channel scales) or "int4" (group-wise scales over `group_size`
     input columns, two weights per byte). See the module docstring for tied embeddings.
-    keep_int8: qualified names of projections to store int8 instead (a GGUF's higher-precision
-    tensors under int4; graph/gguf_model.int4_exceptions).
+    formats: (method, group size) by qualified projection name, in place of `method` there: a
+    GGUF's own layouts (graph/gguf_model.gguf_formats); ("int8", 32) is grouped int8.
     """
+    formats = formats or {}
     if method not in METHODS:
         raise ValueError(f"quantization: unknown method {method!r}; choose one of {', '.join(METHODS)}")
     if group_size not in GROUP_SIZES:
@@ -205,9 +215,10 @@ def quantize_model(model: nn.Module, method: str, group_size: int = 64, keep_int
             for child_name, child in list(module.named_children()):
                 if child_name in PROJECTIONS and isinstance(child, nn.Linear):
                     name = f"{prefix}.{child_name}" if prefix else child_name
-                    kept = method == "int4" and name in keep_int8
-                    q = QuantLinear.from_linear(child, "int8" if kept else method, group_size)
-                    fallback += q.method != method and not kept
+                    own, own_group = formats.get(name, (method, group_size))
+                    grouped = name in formats and own == "int8" and own_group > 0
+                    q = QuantLinear.from_linear(child, own, own_group, grouped_int8=grouped)
+                    fallback += q.method != own
                     setattr(module, child_name, q)
         if tied:
             model.embed_tokens = QuantEmbedding(model.lm_head, dtype)
@@ -215,8 +226,12 @@ def quantize_model(model: nn.Module, method: str, group_size: int = 64, keep_int
         logger.warning("int4: %d projection(s) have no group size dividing their columns; kept int8", fallback)
     rehome_in_arena(model)
     _release_heap()
-    if method == "int4" and keep_int8:
-        logger.info("%d projection(s) kept int8 (stored above 4 bits in the file)", len(keep_int8))
+    if formats:
+        counts: dict[str, int] = {}
+        for own, own_group in formats.values():
+            label = f"{own} group {own_group}" if own_group else f"{own} per row"
+            counts[label] = counts.get(label, 0) + 1
+        logger.info("projections in the file's own layouts: %s", ", ".join(f"{v} {k}" for k, v in counts.items()))
     logger.info("quantized the dense projections to %s%s%s", method,
                 f" (group size {group_size})" if method == "int4" else "",
                 "; tied embedding dequantised per looked-up row" if tied else "")

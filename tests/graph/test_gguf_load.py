@@ -19,6 +19,10 @@ ATOL = 1e-4
 @pytest.fixture(autouse=True)
 def _cache(tmp_path, monkeypatch):
     monkeypatch.setenv("STRATA_CACHE", str(tmp_path / "cache"))
+    # the loader is under test here: its weights against the file's, in exact fp32 arithmetic (the
+    # int8-activation kernels' q8_0 rounding has its own twins in tests/kernels/test_cpu_quant.py)
+    monkeypatch.setenv("STRATA_INT4_FP32_ACTIVATIONS", "1")
+    monkeypatch.setenv("STRATA_INT8_FP32_ACTIVATIONS", "1")
 
 
 def _reference_logits(tiny, reference: dict[str, torch.Tensor], ids: list[int]) -> torch.Tensor:
@@ -179,5 +183,46 @@ def test_int4_storage_keeps_the_files_8_bit_tensors_int8(tiny_models, tmp_path):
     path = tmp_path / "mix.gguf"
     write_gguf(tiny.hf, path, T.Q4_0, embed_type=T.Q8_0)
     m = load_model(check_model_dir(path), torch.float32, "cpu", 256, "int4", 32)
-    assert m.lm_head.method == "int8"
+    assert (m.lm_head.method, m.lm_head.group_size, m.lm_head.scale.dim()) == ("int8", 32, 2)  # Q8_0: exact
     assert (m.layers[0].mlp.down_proj.method, m.layers[0].mlp.down_proj.group_size) == ("int4", 32)
+
+
+def test_q8_0_repacks_exactly_into_grouped_int8(tiny_models, tmp_path, prompt_of):
+    """Q8_0 under int8 storage is grouped int8 (a scale per 32 columns): its codes copied, its
+    scales widened, so the model's weights dequantize to the file's bit for bit."""
+    tiny = tiny_models["qwen2"]
+    path = tmp_path / "q8.gguf"
+    reference = write_gguf(tiny.hf, path, T.Q8_0)
+    m = load_model(check_model_dir(path), torch.float32, "cpu", 256, "int8")
+    down = m.layers[1].mlp.down_proj
+    assert (down.method, down.group_size, tuple(down.scale.shape)) == ("int8", 32, (down.out_features, down.in_features // 32))
+    torch.testing.assert_close(down.dequantize(), reference["model.layers.1.mlp.down_proj.weight"], atol=0, rtol=0)
+    ids = prompt_of(4, 30)
+    torch.testing.assert_close(_strata_logits(path, ids, "int8"), _reference_logits(tiny, reference, ids),
+                               atol=ATOL, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", [T.Q8_0, T.Q4_0], ids=lambda t: t.name)
+def test_group_32_layouts_decode_fused_as_eager(tiny_models, tmp_path, prompt_of, llm_factory, engine_clean,
+                                                 monkeypatch, kind):
+    """A GGUF's exact layouts (grouped int8, int4 group 32) with their int8-activation kernels on:
+    the fused CPU decode layer gives the eager path's tokens and logprobs (kernels/cpu_decode_layer.py)."""
+    from strata import SamplingParams
+
+    monkeypatch.delenv("STRATA_INT4_FP32_ACTIVATIONS")
+    monkeypatch.delenv("STRATA_INT8_FP32_ACTIVATIONS")
+    path = tmp_path / "m.gguf"
+    write_gguf(tiny_models["llama"].hf, path, kind, embed_type=T.Q8_0)
+    llm = llm_factory(path, enable_prefix_caching=False)
+    prompts = [{"prompt_token_ids": prompt_of(50 + i, 4 + 9 * i)} for i in range(3)]
+    sp = SamplingParams(temperature=0, max_tokens=10, logprobs=1, ignore_eos=True)
+    runs = []
+    for fused in ("1", "0"):
+        monkeypatch.setenv("STRATA_FUSED_DECODE", fused)
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        runs.append([(list(o.outputs[0].token_ids), [lp[t] for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
+                     for o in outs])
+    engine_clean(llm)
+    for (ta, la), (tb, lb) in zip(*runs):
+        assert ta == tb
+        assert max(abs(getattr(a, "logprob", a) - getattr(b, "logprob", b)) for a, b in zip(la, lb)) <= 1e-5

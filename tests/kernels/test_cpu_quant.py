@@ -1,5 +1,7 @@
 """Weight-only int8/int4 formats and numba kernels against their torch twins (dequantise + F.linear)."""
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,9 +17,15 @@ class _Q:
     """A minimal stand-in for memory.quant.QuantLinear (what kernels.linear reads)."""
 
     def __init__(self, w: torch.Tensor, method: str, group_size: int = 64) -> None:
+        """method "int8g": grouped int8 (a scale per 32 columns, a GGUF's Q8_0)."""
+        grouped = method == "int8g"
+        method = "int8" if grouped else method
         self.method, self.in_features = method, w.shape[1]
         self.group_size = quant_formats.int4_group_size(w.shape[1], group_size) if method == "int4" else 0
-        if method == "int8":
+        if grouped:
+            self.group_size = 32
+            self.qweight, self.scale = quant_formats.quantize_int8(w, 32)
+        elif method == "int8":
             self.qweight, self.scale = quant_formats.quantize_int8(w)
         else:
             self.qweight, self.scale = quant_formats.quantize_int4(w, self.group_size)
@@ -33,8 +41,14 @@ class _Q:
 
 def _seen(x: torch.Tensor, q: _Q) -> torch.Tensor:
     """The input the kernel computes with: on a VNNI CPU, int4 batch-1 rounds it to int8 per weight
-    group, int8 GEMVs per group of cpu_quant.INT8_ACT_GROUP columns."""
+    group, int8 GEMVs per group of cpu_quant.INT8_ACT_GROUP columns; the group-32 layouts (int4
+    group 32, grouped int8) to llama.cpp's q8_0 blocks at any row count."""
     rows = x.reshape(-1, x.shape[-1])
+    many = rows.shape[0] > cpu_quant.MAX_ROWS  # the matmul path: q8_0 there only when asked
+    if (q.group_size == 32 and (not many or os.environ.get("STRATA_GROUP32_PREFILL") == "q8_0")
+            and (cpu_quant.int8_int8(rows.shape[1], 32) if q.method == "int8"
+                 else cpu_quant.int8_activations(rows.shape[0], 32, rows.shape[1]))):
+        return quant_formats.quantize_activations_q8_0_ref(rows).view_as(x)
     if q.method == "int4" and cpu_quant.int8_activations(rows.shape[0], q.group_size, rows.shape[1]):
         return quant_formats.quantize_activations_ref(rows, q.group_size).view_as(x)
     if q.method == "int8" and rows.shape[0] <= cpu_quant.MAX_ROWS and cpu_quant.int8_int8(rows.shape[1]):
@@ -111,7 +125,7 @@ def test_int4_group_size_rule():
 
 
 @needs_numba
-@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("method", ["int8", "int8g", "int4"])
 @pytest.mark.parametrize("rows", [1, 2, 5, 9, 14, cpu_quant.MAX_ROWS])
 @pytest.mark.parametrize("shape", [(1, 64), (7, 96), (96, 64), (333, 128), (1024, 576)])
 @pytest.mark.parametrize("bias", [False, True])
@@ -124,7 +138,7 @@ def test_gemv_matches_reference(method, rows, shape, bias):
     q = _Q(w, method)
     with torch.inference_mode():
         assert cpu_quant.usable(x, q.qweight)
-        got = cpu_quant.gemv(method, x, q.qweight, q.scale, q.group_size, b)
+        got = cpu_quant.gemv(q.method, x, q.qweight, q.scale, q.group_size, b)
     torch.testing.assert_close(got, F.linear(_seen(x, q), q.dequantize(), b), **_tol(in_f))
 
 
@@ -153,7 +167,7 @@ def test_int4_group_sizes(group, rows):
 
 
 @needs_numba
-@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("method", ["int8", "int8g", "int4"])
 @pytest.mark.parametrize("rows", [1, 4, 11, cpu_quant.MAX_ROWS])
 @pytest.mark.parametrize("shape", [(2, 64), (96, 64), (3072, 576)])
 def test_gemv_swiglu_matches_reference(method, rows, shape):
@@ -163,20 +177,24 @@ def test_gemv_swiglu_matches_reference(method, rows, shape):
     q = _Q(w, method)
     gate, up = F.linear(_seen(x, q), q.dequantize()).chunk(2, dim=-1)
     with torch.inference_mode():
-        got = cpu_quant.gemv_swiglu(method, x, q.qweight, q.scale, q.group_size)
+        got = cpu_quant.gemv_swiglu(q.method, x, q.qweight, q.scale, q.group_size)
         torch.testing.assert_close(got, F.silu(gate) * up, **_tol(shape[1]))
         torch.testing.assert_close(quant_swiglu(x, q), got)
 
 
 @needs_numba
-@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("method", ["int8", "int8g", "int4"])
 @pytest.mark.parametrize("shape", [(17, 64), (2100, 64), (300, 4096)])  # one tile, several, short tiles
-def test_tiled_matmul_matches_reference(method, shape):
-    w, x, b = torch.randn(*shape), torch.randn(40, shape[1]), torch.randn(shape[0])
+@pytest.mark.parametrize("prefill", ["fast", "q8_0"])
+def test_tiled_matmul_matches_reference(method, shape, prefill, monkeypatch):
+    """Many rows: dequantise + GEMM; with STRATA_GROUP32_PREFILL=q8_0 a group-32 weight (grouped
+    int8) on VNNI runs the q8_0 kernels over row blocks instead, four rows a weight step."""
+    monkeypatch.setenv("STRATA_GROUP32_PREFILL", prefill)
+    w, x, b = torch.randn(*shape), torch.randn(142, shape[1]), torch.randn(shape[0])
     q = _Q(w, method)
-    got = cpu_quant.matmul(method, x, q.qweight, q.scale, q.group_size, b)
+    got = cpu_quant.matmul(q.method, x, q.qweight, q.scale, q.group_size, b)
     assert got.is_contiguous()
-    torch.testing.assert_close(got, F.linear(x, q.dequantize(), b), **_tol(shape[1]))
+    torch.testing.assert_close(got, F.linear(_seen(x, q), q.dequantize(), b), **_tol(shape[1]))
 
 
 @needs_numba
@@ -188,7 +206,7 @@ def test_int4_group_32_kernel_with_an_odd_group_count(n_in):
     g = torch.Generator().manual_seed(n_in)
     w, x = torch.randn(70, n_in, generator=g), torch.randn(1, n_in, generator=g)
     q = _Q(w, "int4", 32)
-    seen = quant_formats.quantize_activations_ref(x, 32)
+    seen = quant_formats.quantize_activations_q8_0_ref(x)
     with torch.inference_mode():
         torch.testing.assert_close(cpu_quant.gemv("int4", x, q.qweight, q.scale, 32), F.linear(seen, q.dequantize()),
                                    **_tol(n_in))
@@ -208,7 +226,8 @@ def test_int4_int8_activation_kernel(group, monkeypatch):
     w, x = torch.randn(300, 1024, generator=g), torch.randn(1, 1024, generator=g)
     x[0, :group] = 0.0  # an all-zero group: scale 1, no division by zero
     q = _Q(w, "int4", group)
-    twin = F.linear(quant_formats.quantize_activations_ref(x, group), q.dequantize())
+    seen = quant_formats.quantize_activations_q8_0_ref(x) if group == 32 else quant_formats.quantize_activations_ref(x, group)
+    twin = F.linear(seen, q.dequantize())
     exact = F.linear(x, q.dequantize())
     with torch.inference_mode():
         got = cpu_quant.gemv("int4", x, q.qweight, q.scale, group)
@@ -344,7 +363,7 @@ def test_int4_requantised_to_int8_matches_its_twin(group, shape):
 
 @needs_int4_prefill
 @pytest.mark.parametrize("rows, shape, group", [(17, (300, 1024), 64), (40, (77, 256), 128), (64, (1536, 576), 64),
-                                               (129, (5, 64), 32)])
+                                               (129, (5, 128), 64)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_int4_w8a8_prefill_matches_its_twin(rows, shape, group, bias):
     """Path "int8" for int4 weights (on by default): per-row int8 activations x the requantised
@@ -381,18 +400,25 @@ def test_int4_w8a8_prefill_refuses_outlier_rows_and_obeys_the_switches(monkeypat
 
 
 @needs_numba
-@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("method", ["int8", "int8g", "int4"])
 def test_numba_dequantize_matches_reference(method):
     w = torch.randn(257, 384)
     q = _Q(w, method)
-    got = cpu_quant.dequantize(method, q.qweight, q.scale, 384, q.group_size)
+    got = cpu_quant.dequantize(q.method, q.qweight, q.scale, 384, q.group_size)
     torch.testing.assert_close(got, q.dequantize(), rtol=1e-6, atol=1e-6)
+    bf16 = cpu_quant.dequantize_bf16(q.method, q.qweight, q.scale, torch.empty(257, 384, dtype=torch.bfloat16),
+                                     q.group_size)
+    if method != "int4":  # int8: bit for bit (cpu_quant.dequantize_bf16)
+        assert torch.equal(bf16, q.dequantize().to(torch.bfloat16))
+    ids = torch.tensor([0, 256, 7])
+    torch.testing.assert_close(cpu_quant.embedding_rows(q.method, q.qweight, q.scale, ids, q.group_size),
+                               q.dequantize()[ids], rtol=0, atol=0)
 
 
 # --- dispatch -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("method", ["int8", "int8g", "int4"])
 def test_dispatch_paths_agree(method):
     w, b = torch.randn(80, 128), torch.randn(80)
     q = _Q(w, method)
@@ -412,3 +438,51 @@ def test_dispatch_paths_agree(method):
     out = quant_linear(xg, q)
     out.sum().backward()
     torch.testing.assert_close(xg.grad, ref_w.sum(0).expand(2, -1), rtol=1e-5, atol=1e-5)
+
+
+# --- llama.cpp's q8_0 activations (the group-32 layouts of GGUF files) ----------------------------
+
+
+def test_q8_0_activation_reference_is_llama_cpps_block():
+    """quantize_activations_q8_0_ref rounds as llama.cpp's q8_0 block does: its values equal the
+    gguf package's (llama.cpp's formulas in numpy) Q8_0 quantise + dequantise on random rows."""
+    from gguf import GGMLQuantizationType as T
+    from gguf import quants
+
+    x = torch.randn(8, 256, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 2, 8)[:, None]
+    want = quants.dequantize(quants.quantize(x.numpy(), T.Q8_0), T.Q8_0)
+    torch.testing.assert_close(quant_formats.quantize_activations_q8_0_ref(x), torch.from_numpy(want), rtol=0, atol=0)
+
+
+@needs_numba
+def test_q8_0_activation_kernel_equals_its_reference_bit_for_bit():
+    """The kernels' q8_0 rounding (cpu_quant._quant_rows at group 32) is the reference's exactly:
+    fp16 scales rounded to nearest even, fp16 subnormal scales (tiny blocks), all-zero blocks."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(6, 320, generator=g)
+    x[1] *= 1e-4  # scales below fp16's smallest normal
+    x[2, 32:64] = 0.0
+    x[3] *= 3e3
+    xq, xs, off = cpu_quant._quant_rows(x.numpy(), 32)
+    got = torch.from_numpy(xq).float().view(6, 10, 32) * torch.from_numpy(xs)[..., None]
+    assert torch.equal(got.view(6, 320), quant_formats.quantize_activations_q8_0_ref(x))
+    torch.testing.assert_close(torch.from_numpy(off), 8 * torch.from_numpy(xs) * torch.from_numpy(xq).float().view(6, 10, 32).sum(2))
+
+
+@needs_numba
+@pytest.mark.skipif(not cpu_quant.int8_activations(1, 64, 1024), reason="needs AVX-512 VNNI (int4 x int8 kernel)")
+@pytest.mark.parametrize("rows", [17, 64, 130])
+@pytest.mark.parametrize("n_in", [96, 128, 576])  # 96: an odd group count (the row-by-row kernel)
+def test_int4_group_32_q8_0_prefill_equals_its_twin(rows, n_in, monkeypatch):
+    """STRATA_GROUP32_PREFILL=q8_0: an int4 group-32 (Q4_0) prefill equals its twin (q8_0
+    activations, then dequantise + F.linear), padding rows and all; an unknown value is refused."""
+    monkeypatch.setenv("STRATA_GROUP32_PREFILL", "q8_0")
+    g = torch.Generator().manual_seed(rows + n_in)
+    w, x = torch.randn(70, n_in, generator=g), torch.randn(rows, n_in, generator=g)
+    x[5] = 0.0
+    q = _Q(w, "int4", 32)
+    twin = F.linear(quant_formats.quantize_activations_q8_0_ref(x), q.dequantize())
+    torch.testing.assert_close(cpu_quant.matmul("int4", x, q.qweight, q.scale, 32), twin, **_tol(n_in))
+    monkeypatch.setenv("STRATA_GROUP32_PREFILL", "exact")
+    with pytest.raises(ConfigError, match="STRATA_GROUP32_PREFILL='exact': choose one of fast, q8_0"):
+        cpu_quant.matmul("int4", x, q.qweight, q.scale, 32)
