@@ -28,6 +28,11 @@ at the DRAM stream rate. The activation rounding adds ~0.5% of a row's largest o
 error, against the int4 weights' own ~1/15 of a step. STRATA_INT4_FP32_ACTIVATIONS=1 keeps the
 fp32 kernel (exact weight-only arithmetic).
 
+Grouped int8 (a scale per 32 columns: a GGUF's Q8_0, exactly) and int4 group 32 (Q4_0) quantise
+their activations as llama.cpp's q8_0 blocks (_quant_q8, quant_formats.
+quantize_activations_q8_0_ref) at any row count: the _int8g_* kernels (cpu_simd.i8_dot_vnni_g32;
+an fp32 loop without VNNI) and, under STRATA_GROUP32_PREFILL=q8_0, the four-row prefill kernels.
+
 Every kernel's reference twin is the torch path: dequantize_*_ref then F.linear (for the VNNI
 path, of quantize_activations_ref(x) instead of x).
 """
