@@ -53,10 +53,8 @@ def layer_format(method: str, in_features: int, group_size: int) -> tuple[str, i
     return "int8", 0
 
 
-def quantized_bytes(method: str, out_features: int, in_features: int, group_size: int, grouped_int8: bool = False) -> int:
+def quantized_bytes(method: str, out_features: int, in_features: int, group_size: int) -> int:
     """Bytes of one quantised weight matrix (data + fp32 scales), as QuantLinear stores it."""
-    if method == "int8" and grouped_int8:
-        return out_features * in_features + 4 * out_features * (in_features // quant_formats.INT8_GROUP)
     method, g = layer_format(method, in_features, group_size)
     if method == "int8":
         return out_features * in_features + 4 * out_features
