@@ -28,10 +28,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from gguf import GGMLQuantizationType as T
 
 from strata.config import cache_root
 from strata.errors import ModelLoadError
+from strata.graph.gguf_blocks import BLOCKS, NIBBLE_CODES
 from strata.graph.gguf_file import GGUFFile, TensorInfo, split_files
+from strata.memory.quant import Layout
 
 logger = logging.getLogger(__name__)
 
@@ -267,8 +270,7 @@ def gguf_files(directory: Path) -> list[Path] | None:
 
 
 # The weight storage a GGUF file's projections are served in when --quantization is not given:
-# the Strata format that holds the file's values best (Q4_0 and Q8_0 exactly, per tensor by
-# gguf_formats; the others requantised).
+# the Strata storage whose layouts hold the file's tensors exactly (per module by gguf_formats).
 _STORAGE = {"Q4_0": ("int4", 32), "Q4_1": ("int4", 32), "Q5_0": ("int8", 0), "Q5_1": ("int8", 0),
             "Q4_K": ("int4", 32), "Q5_K": ("int8", 0), "Q6_K": ("int8", 0), "Q8_0": ("int8", 0),
             "BF16": ("bf16", 0)}  # F16 / F32: as they are (F16 in bf16 would lose 3 mantissa bits)
@@ -288,12 +290,6 @@ def default_storage(directory: Path) -> tuple[str | None, int, str]:
     return method, group, why
 
 
-# Types that lose accuracy in int4: a projection stored in one of them stays int8 under int4
-# storage, as llama.cpp's mixes intend (Q4_0 files keep token_embd in Q8_0, Q4_K_M some ffn_down /
-# attn_v in Q6_K).
-_ABOVE_INT4 = {"F32", "F16", "BF16", "Q8_0", "Q6_K", "Q5_K", "Q5_0", "Q5_1"}
-
-
 def _module_of(hf: str, tied: bool) -> str | None:
     """Our (fused) projection module for an HF weight name (graph/loader.checkpoint_targets)."""
     if hf == "lm_head.weight" or (tied and hf == "model.embed_tokens.weight"):
@@ -305,16 +301,28 @@ def _module_of(hf: str, tied: bool) -> str | None:
     return f"{m[1]}.{m[2]}.{fused}_proj"
 
 
-EXACT = ("Q4_0", "Q8_0", "BF16", "F16", "F32")  # types some Strata layout holds bit for bit
+EXACT = ("Q4_0", "Q8_0", "Q5_0", "Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "BF16", "F16", "F32")  # held bit for bit
 
 
-def gguf_formats(directory: Path, tied: bool, storage: str | None) -> dict[str, tuple[str, int]]:
-    """(method, group size) of each projection module whose layout the file decides, under int8 or
-    int4 storage (memory/quant.quantize_model's `formats`): a module whose tensors are all Q8_0
-    is grouped int8 ("int8", 32: the file's blocks, exactly), all Q4_0 int4 group 32 (exactly,
-    under int4); under int4, a module holding any other tensor stored above 4 bits is int8 per
-    row, as llama.cpp's mixes intend (Q4_0 files keep token_embd in Q8_0, Q4_K_M some ffn_down
-    / attn_v in Q6_K). A fused module (qkv, gate_up) takes its widest tensor's layout."""
+def _layout(held: set[str], storage: str) -> Layout | None:
+    """The layout a projection holding tensors of types `held` takes under int8 / int4 storage."""
+    blocks = [BLOCKS.get(T[h]) if h in T.__members__ else None for h in held]
+    if None in blocks:  # a float (or unknown) tensor in it: the storage's own format, requantised
+        return Layout("int8", 0) if storage == "int4" else None
+    zero = any(b[2] for b in blocks)
+    if all(T[h] in NIBBLE_CODES for h in held):  # 16 levels: int4 holds them, at half int8's bytes
+        return Layout("int4", 32, zero)
+    return Layout("int8", min(b[0] for b in blocks), zero)
+
+
+def gguf_formats(directory: Path, tied: bool, storage: str | None) -> dict[str, Layout]:
+    """The Layout of each projection module whose layout the file decides, under int8 or int4
+    storage (memory/quant.quantize_model's `formats`): every quantised block type is held exactly
+    (graph/gguf_blocks.py): a module of Q4_0 / Q4_1 / Q4_K tensors in int4 group 32, any other mix
+    of block types in grouped int8 (groups of 16 if it holds a Q6_K, else 32), with zero points
+    where a type has minima. A fused module (qkv, gate_up) takes the layout that holds all its
+    tensors (Q4_K_M's [Q4_K; Q4_K; Q6_K] qkv: int8 group 16 with zero points). Under int4, a
+    module holding a float tensor is int8 per row (llama.cpp's mixes keep such tensors wide)."""
     if storage not in ("int8", "int4"):
         return {}
     types = json.loads((directory / POINTER).read_text()).get("tensor_types") or {}
@@ -326,10 +334,7 @@ def gguf_formats(directory: Path, tied: bool, storage: str | None) -> dict[str, 
             kinds.setdefault(module, set()).add(kind)
     out = {}
     for module, held in kinds.items():
-        if held == {"Q8_0"}:
-            out[module] = ("int8", 32)
-        elif storage == "int4" and held & _ABOVE_INT4:
-            out[module] = ("int8", 0)
-        elif storage == "int4" and held == {"Q4_0"}:
-            out[module] = ("int4", 32)
+        layout = _layout(held, storage)
+        if layout is not None:
+            out[module] = layout
     return out

@@ -7,11 +7,13 @@
   widened to fp32.
 - Q8_0 into a grouped int8 projection (group 32): an fp16 scale and 32 int8 codes a block, the
   codes copied and the scale widened: exact.
-- Every other type the `gguf` package can dequantize (Q8_0, Q4_1, Q5_0/1, the K-quants, ...):
-  its rows dequantized in numpy (gguf.quants.dequantize, llama.cpp's own formulas) into one
-  chunk of fp32 rows, then written like a safetensors chunk (copied, or quantised into the
-  target's int8/int4 storage). The float step exists only per chunk, never for the model; for
-  an int8 target it is a requantisation (per row), so not bit-exact to the file: noted at load.
+- Every other block type (Q5_0, Q4_1, Q5_1, Q4_K, Q5_K, Q6_K) into the grouped layout that holds
+  it (graph/gguf_blocks.py: codes, scales and zero points, bit for bit): int8 grouped by 32 or 16
+  (Q6_K), with zero points for the minima types; int4 group 32 for the nibble types.
+- Into any other target (float storage, or a layout the file's type does not fit): the rows
+  dequantized in numpy (gguf.quants.dequantize, llama.cpp's own formulas) one chunk of fp32 rows
+  at a time, then written like a safetensors chunk (copied, or quantised into the target's
+  int8/int4 storage). The float step exists only per chunk, never for the model.
 - Refused by name: types with no dequantizer here.
 
 llama.cpp's converter stored Llama's q/k rows permuted (graph/gguf_model.unpermute_rows): those
@@ -26,6 +28,7 @@ from gguf import GGMLQuantizationType as T
 from gguf import quants
 
 from strata.errors import ModelLoadError
+from strata.graph.gguf_blocks import BLOCKS, NIBBLE_CODES, decompose
 from strata.graph.gguf_file import GGUFFile, TensorInfo
 from strata.graph.gguf_model import unpermute_rows
 from strata.graph.pread_file import READ_CHUNK_BYTES
@@ -79,6 +82,41 @@ def _q4_0_repack(raw: np.ndarray, qweight: torch.Tensor, scale: torch.Tensor) ->
     qweight.copy_(torch.from_numpy(np.ascontiguousarray(blocks[:, :, 2:]).reshape(rows, -1)))
 
 
+def exact_into(kind: T, module) -> bool:
+    """Whether a QuantLinear's layout holds tensor type `kind` exactly (gguf_blocks)."""
+    if kind not in BLOCKS or not isinstance(module, QuantLinear):
+        return False
+    group, _, zero = BLOCKS[kind]
+    if zero and module.scale.dim() != 3:
+        return False
+    if module.method == "int8":
+        return module.scale.dim() >= 2 and group % module.group_size == 0
+    return kind in NIBBLE_CODES and module.group_size == 32
+
+
+def _blocks_into(kind: T, raw: np.ndarray, module: QuantLinear, rows: slice) -> None:
+    """Rows of raw blocks into `module`'s grouped storage, exactly (exact_into holds)."""
+    codes, scale, zero, group = decompose(kind, raw)
+    if module.method == "int8":
+        module.qweight[rows].copy_(torch.from_numpy(codes))
+    else:  # nibble = code - lo; s * code - z = s * (nibble - 8) - (z - s * (lo + 8))
+        lo = -8 if kind == T.Q4_0 else 0
+        nib = (codes.astype(np.int16) - lo).astype(np.uint8).reshape(codes.shape[0], -1, 2, 16)
+        module.qweight[rows].copy_(torch.from_numpy((nib[:, :, 0] | (nib[:, :, 1] << 4)).reshape(codes.shape[0], -1)))
+        if lo + 8:
+            zero = (np.zeros_like(scale) if zero is None else zero) - scale * np.float32(lo + 8)
+    rep = group // module.group_size  # a Q8_0 / Q4_K group of 32 in a layout of 16: twice
+    scale = np.repeat(scale, rep, axis=1) if rep > 1 else scale
+    if module.scale.dim() == 3:
+        module.scale[rows, 0].copy_(torch.from_numpy(scale))
+        if zero is None:
+            module.scale[rows, 1].zero_()
+        else:
+            module.scale[rows, 1].copy_(torch.from_numpy(np.repeat(zero, rep, axis=1) if rep > 1 else zero))
+    else:
+        module.scale[rows].copy_(torch.from_numpy(scale))
+
+
 def fill(g: GGUFFile, info: TensorInfo, module, attr: str, rows: slice | None, permute_heads: int | None) -> None:
     """Read GGUF tensor `info` into `module.attr` (rows `rows` of a fused weight; None: whole).
     permute_heads: the head count whose q/k row permutation to undo (None: stored in HF order)."""
@@ -94,8 +132,10 @@ def fill(g: GGUFFile, info: TensorInfo, module, attr: str, rows: slice | None, p
     cols = info.shape[-1]
     start = 0 if rows is None else rows.start
     quantised = isinstance(module, QuantLinear) and attr == "weight"
-    exact_q4 = quantised and module.method == "int4" and module.group_size == 32 and info.type == T.Q4_0
-    exact_q8 = quantised and module.method == "int8" and module.group_size == 32 and info.type == T.Q8_0
+    exact = quantised and exact_into(info.type, module)
+    plain = exact and module.scale.dim() == 2 and module.group_size == 32  # byte-copy repacks
+    exact_q4 = plain and module.method == "int4" and info.type == T.Q4_0
+    exact_q8 = plain and module.method == "int8" and info.type == T.Q8_0
     dest = None if quantised else (getattr(module, attr) if rows is None else getattr(module, attr)[rows])
     unit = 1 if permute_heads is None else n // permute_heads  # rows read together: a head's
     step = max(unit, READ_CHUNK_BYTES // (4 * cols) // unit * unit)
@@ -109,6 +149,8 @@ def fill(g: GGUFFile, info: TensorInfo, module, attr: str, rows: slice | None, p
             _q4_0_repack(raw, module.qweight[start + a:start + b], module.scale[start + a:start + b])
         elif exact_q8:
             _q8_0_repack(raw, module.qweight[start + a:start + b], module.scale[start + a:start + b])
+        elif exact:
+            _blocks_into(info.type, raw, module, slice(start + a, start + b))
         elif quantised:
             module.quantize_rows(start + a, rows_as_float(info, raw).float())
         else:

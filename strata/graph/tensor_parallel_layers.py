@@ -122,11 +122,11 @@ def row_parallel(proj: nn.Module, cols: slice, comm: Comm) -> RowParallelLinear:
             inner = _quant(proj, proj.qweight[:, cols], proj.scale, width, None)
         elif proj.method == "int8":  # grouped: group j is columns [j*g, (j+1)*g)
             g = proj.group_size
-            inner = _quant(proj, proj.qweight[:, cols], proj.scale[:, cols.start // g : cols.stop // g], width, None)
+            inner = _quant(proj, proj.qweight[:, cols], proj.scale[..., cols.start // g : cols.stop // g], width, None)
         else:  # packed per group (quant_formats.py): group j is bytes [j*g/2, (j+1)*g/2)
             g = proj.group_size
             qcols = slice(cols.start // 2, cols.stop // 2)
-            inner = _quant(proj, proj.qweight[:, qcols], proj.scale[:, cols.start // g : cols.stop // g],
+            inner = _quant(proj, proj.qweight[:, qcols], proj.scale[..., cols.start // g : cols.stop // g],
                            width, None)
     else:
         inner = _float_linear(type(proj), proj.weight.detach()[:, cols], None)
@@ -147,7 +147,10 @@ def vocab_rows(proj: nn.Module, real: slice, rows: int) -> nn.Module:
     if isinstance(proj, QuantLinear):
         zero = 0 if proj.method == "int8" else 0x88  # int4: nibble 8 is the value 0
         qweight = pad_rows(proj.qweight[real], rows, zero)
-        return _quant(proj, qweight, pad_rows(proj.scale[real], rows, 1.0), proj.in_features, bias)
+        scale = pad_rows(proj.scale[real], rows, 1.0)
+        if scale.dim() == 3:  # zero points: 0 in the padding rows too
+            scale[proj.scale[real].shape[0]:, 1] = 0.0
+        return _quant(proj, qweight, scale, proj.in_features, bias)
     return _float_linear(type(proj), pad_rows(proj.weight.detach()[real], rows), bias)
 
 

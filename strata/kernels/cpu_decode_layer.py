@@ -10,7 +10,8 @@ attention) keep their own thread split: numba runs a parallel callee's prange in
 from a serial caller.
 
 Each projection's kernel is picked by its weight's storage dtype when numba compiles the layer
-(one cached specialisation per weight format: fp32, bf16, int8, grouped int8, int4) and, for the int8
+(one cached specialisation per weight format: fp32, bf16, int8, grouped int8, int4, and the
+grouped formats with zero points) and, for the int8
 formats, the int8-activation (VNNI) variant by the same rules as the eager dispatch, so the
 results equal the eager path's bit for bit.
 
@@ -53,9 +54,13 @@ if numba is not None:
     # patterns int16, int8 int8, packed int4 uint8); `vnni` picks the int8-activation variant at
     # run time. Plain functions, not function arguments: numba cannot cache a function that takes
     # another as an argument (its type names the process's dispatcher object).
-    def _by_dtype(dt, scale_dims, f32, bf16, int8, int8_vnni, int8g, int8g_vnni, int4, int4_vnni):
+    def _by_dtype(dt, scale_dims, f32, bf16, int8, int8_vnni, int8g, int8g_vnni, int4, int4_vnni, int8gz, int4z):
         """The implementation for one weight storage dtype (and, for int8, per-row or grouped
-        scales), from that projection's kernels."""
+        scales; 3-D scales: with zero points), from that projection's kernels."""
+        if scale_dims == 3 and dt == types.int8:
+            return lambda w, s, x, out, group, vnni, threads: int8gz(w, s, x, out, vnni, threads)
+        if scale_dims == 3 and dt == types.uint8:
+            return lambda w, s, x, out, group, vnni, threads: int4z(w, s, x, out, group, vnni, threads)
         if dt == types.float32:
             return lambda w, s, x, out, group, vnni, threads: f32(w, x, out, threads)
         if dt == types.int16:
@@ -87,13 +92,15 @@ if numba is not None:
     def _project(w, s, x, out, group, vnni, threads):
         return _by_dtype(w.dtype, s.ndim, cpu_gemv._gemv_rows, cpu_bf16._bf16_gemv, cpu_quant._int8_gemv,
                          cpu_quant._int8_gemv_vnni, cpu_quant._int8g_gemv, cpu_quant._int8g_gemv_vnni,
-                         cpu_quant._int4_gemv, cpu_quant._int4_gemv_vnni)
+                         cpu_quant._int4_gemv, cpu_quant._int4_gemv_vnni, cpu_quant._int8gz_gemv,
+                         cpu_quant._int4z_gemv)
 
     @overload(project_swiglu)
     def _project_swiglu(w, s, x, out, group, vnni, threads):
         return _by_dtype(w.dtype, s.ndim, cpu_gemv._gemv_swiglu, cpu_bf16._bf16_swiglu, cpu_quant._int8_swiglu,
                          cpu_quant._int8_swiglu_vnni, cpu_quant._int8g_swiglu, cpu_quant._int8g_swiglu_vnni,
-                         cpu_quant._int4_swiglu, cpu_quant._int4_swiglu_vnni)
+                         cpu_quant._int4_swiglu, cpu_quant._int4_swiglu_vnni, cpu_quant._int8gz_swiglu,
+                         cpu_quant._int4z_swiglu)
 
     @njit(cache=True)
     def _add_bias(out, bias):  # pragma: no cover - compiled

@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from strata.errors import ConfigError
-from strata.kernels import cpu_gemm, cpu_gemv, cpu_w8a8
+from strata.kernels import cpu_gemm, cpu_gemv, cpu_w8a8, quant_formats
 from strata.kernels.cpu_w8a8 import (  # noqa: F401
     INT4_PREFILL_ENV,
     INT4_PREFILL_MAX_RATIO,
@@ -72,6 +72,7 @@ try:
         i4g32_dot4_vnni,
         i8_dot,
         i8_dot_vnni,
+        i8_dot_vnni_g16,
         i8_dot_vnni_g32,
         i8g_dot4_vnni,
     )
@@ -349,7 +350,13 @@ if numba is not None:
                     u = i8_dot_vnni(wu, xq[j], xs[j]) * s[r + half_rows]
                     out[j, r] = g / (np.float32(1.0) + np.exp(-g)) * u
 
-    # grouped int8 (scale [out, in / 32]: a Q8_0 file's blocks)
+    # grouped int8 (scale [out, in / 32]: a Q8_0 file's blocks; [out, in / 16]: a Q6_K file's)
+
+    @njit(fastmath=True, cache=True, inline="always")
+    def _i8g_dot_vnni(wr, sr, xq, xs):  # pragma: no cover - compiled
+        if sr.shape[0] == xs.shape[0]:  # groups of 32, as the activations'
+            return i8_dot_vnni_g32(wr, sr, xq, xs)
+        return i8_dot_vnni_g16(wr, sr, xq, xs)
 
     @njit(parallel=True, fastmath=True, cache=True)
     def _int8g_gemv_vnni(w, s, x, out, threads):  # pragma: no cover - compiled
@@ -362,7 +369,7 @@ if numba is not None:
                 wr = w[r]
                 sr = s[r]
                 for j in range(rows):
-                    out[j, r] = i8_dot_vnni_g32(wr, sr, xq[j], xs[j])
+                    out[j, r] = _i8g_dot_vnni(wr, sr, xq[j], xs[j])
 
     @njit(parallel=True, fastmath=True, cache=True)
     def _int8g_swiglu_vnni(w, s, x, out, threads):  # pragma: no cover - compiled
@@ -373,17 +380,18 @@ if numba is not None:
         for t in prange(threads):
             for r in range(t * per, min(half_rows, (t + 1) * per)):
                 for j in range(rows):
-                    g = i8_dot_vnni_g32(w[r], s[r], xq[j], xs[j])
-                    u = i8_dot_vnni_g32(w[r + half_rows], s[r + half_rows], xq[j], xs[j])
+                    g = _i8g_dot_vnni(w[r], s[r], xq[j], xs[j])
+                    u = _i8g_dot_vnni(w[r + half_rows], s[r + half_rows], xq[j], xs[j])
                     out[j, r] = g / (np.float32(1.0) + np.exp(-g)) * u
 
     @njit(fastmath=True, cache=True, inline="always")
     def _i8g_dot(wr, sr, xj):  # pragma: no cover - compiled
-        """sum_g sr[g] * sum_k wr[k] * xj[k] over groups of 32 columns, in fp32."""
+        """sum_g sr[g] * sum_k wr[k] * xj[k] over the groups of columns, in fp32."""
+        group = wr.shape[0] // sr.shape[0]
         total = np.float32(0.0)
         for g in range(sr.shape[0]):
             part = np.float32(0.0)
-            for c in range(g * 32, g * 32 + 32):
+            for c in range(g * group, g * group + group):
                 part += np.float32(wr[c]) * xj[c]
             total += part * sr[g]
         return total
@@ -410,35 +418,169 @@ if numba is not None:
                     u = _i8g_dot(w[r + half_rows], s[r + half_rows], x[j])
                     out[j, r] = g / (np.float32(1.0) + np.exp(-g)) * u
 
+    # Grouped dequantisation: `z` the zero points ([out, groups]; any [out, groups] array when
+    # has_zero is False: the scale itself).
+
+    @njit(fastmath=True, cache=True, inline="always")
+    def _sub_zero_row(zr, row, group):  # pragma: no cover - compiled
+        for g in range(zr.shape[0]):
+            zc = zr[g]
+            for c in range(g * group, g * group + group):
+                row[c] -= zc
+
+    @njit(fastmath=True, cache=True, inline="always")
+    def _int8g_row(wr, sr, zr, has_zero, row):  # pragma: no cover - compiled
+        """row = wr * its group's scale (- its zero): quant_formats.dequantize_int8_ref."""
+        # group by group with a constant trip count: no division per column, and LLVM vectorises it
+        if wr.shape[0] == 32 * sr.shape[0]:
+            for g in range(sr.shape[0]):
+                sc = sr[g]
+                for k in range(32):
+                    row[g * 32 + k] = np.float32(wr[g * 32 + k]) * sc
+        else:
+            for g in range(sr.shape[0]):
+                sc = sr[g]
+                for k in range(16):
+                    row[g * 16 + k] = np.float32(wr[g * 16 + k]) * sc
+        if has_zero:
+            _sub_zero_row(zr, row, wr.shape[0] // sr.shape[0])
+
     @njit(parallel=True, fastmath=True, cache=True)
-    def _int8g_dequant(w, s, out, threads):  # pragma: no cover - compiled
-        n_out, n_in = w.shape
+    def _int8g_dequant(w, s, z, has_zero, out, threads):  # pragma: no cover - compiled
+        n_out = w.shape[0]
         per = (n_out + threads - 1) // threads
         for t in prange(threads):
             for r in range(t * per, min(n_out, (t + 1) * per)):
-                for c in range(n_in):
-                    out[r, c] = np.float32(w[r, c]) * s[r, c // 32]
+                _int8g_row(w[r], s[r], z[r], has_zero, out[r])
 
     @njit(parallel=True, fastmath=True, cache=True)
-    def _int8g_dequant_bf16(w, s, out, threads):  # pragma: no cover - compiled
+    def _int8g_dequant_bf16(w, s, z, has_zero, out, threads):  # pragma: no cover - compiled
         n_out, n_in = w.shape
         per = (n_out + threads - 1) // threads
         for t in prange(threads):
             row = np.empty(n_in, np.float32)
             for r in range(t * per, min(n_out, (t + 1) * per)):
-                for c in range(n_in):
-                    row[c] = np.float32(w[r, c]) * s[r, c // 32]
+                _int8g_row(w[r], s[r], z[r], has_zero, row)
                 _round_bf16(row, out[r])
 
     @njit(cache=True)
-    def _int8g_rows(w, s, ids, out):  # pragma: no cover - compiled
-        """Grouped int8 rows as quant_formats.dequantize_int8_ref (q * its group's scale)."""
+    def _int8g_rows(w, s, z, has_zero, ids, out):  # pragma: no cover - compiled
+        """Grouped int8 rows as quant_formats.dequantize_int8_ref (q * its group's scale - zero)."""
         for i in range(ids.shape[0]):
             r = ids[i]
             if r < 0 or r >= w.shape[0]:
                 return False
-            for c in range(w.shape[1]):
-                out[i, c] = np.float32(w[r, c]) * s[r, c // 32]
+            _int8g_row(w[r], s[r], z[r], has_zero, out[i])
+        return True
+
+    @njit(parallel=True, fastmath=True, cache=True)
+    def _int4z_dequant(w, s, z, out, group, threads):  # pragma: no cover - compiled
+        n_out = out.shape[0]
+        per = (n_out + threads - 1) // threads
+        for t in prange(threads):
+            for r in range(t * per, min(n_out, (t + 1) * per)):
+                i4_row(w[r], s[r], out[r], group // 2)
+                _sub_zero_row(z[r], out[r], group)
+
+    @njit(parallel=True, fastmath=True, cache=True)
+    def _int4z_dequant_bf16(w, s, z, out, group, threads):  # pragma: no cover - compiled
+        n_out, n_in = out.shape
+        per = (n_out + threads - 1) // threads
+        for t in prange(threads):
+            row = np.empty(n_in, np.float32)
+            for r in range(t * per, min(n_out, (t + 1) * per)):
+                i4_row(w[r], s[r], row, group // 2)
+                _sub_zero_row(z[r], row, group)
+                _round_bf16(row, out[r])
+
+    # Zero points (quant_formats: w = s * code - z): the symmetric kernel's result minus
+    # sum_g z[r, g] * (the input row's sum over group g); the sums of the q8_0-rounded input
+    # where the kernel ran on it (vnni), so the result is the reference's on those activations.
+
+    @njit(cache=True)
+    def _zero_sums(x, group, act):  # pragma: no cover - compiled
+        """[rows, groups] sums of x over each weight group; act: the activation group the int8
+        kernel quantised x in (0: it ran on fp32 x)."""
+        rows, n = x.shape
+        ng = n // group
+        sums = np.zeros((rows, ng), np.float32)
+        if act:
+            xq, xs, _ = _quant_rows(x, act)
+            for j in range(rows):
+                for g in range(ng):
+                    total = 0
+                    for c in range(g * group, (g + 1) * group):
+                        total += np.int32(xq[j, c])
+                    sums[j, g] = xs[j, (g * group) // act] * np.float32(total)
+            return sums
+        for j in range(rows):
+            for g in range(ng):
+                total = np.float32(0.0)
+                for c in range(g * group, (g + 1) * group):
+                    total += x[j, c]
+                sums[j, g] = total
+        return sums
+
+    @njit(parallel=True, fastmath=True, cache=True)
+    def _sub_zero(z, sums, out, threads):  # pragma: no cover - compiled
+        n_out, ng = z.shape
+        rows = sums.shape[0]
+        per = (n_out + threads - 1) // threads
+        for t in prange(threads):
+            for r in range(t * per, min(n_out, (t + 1) * per)):
+                zr = z[r]
+                for j in range(rows):
+                    acc = np.float32(0.0)
+                    for g in range(ng):
+                        acc += zr[g] * sums[j, g]
+                    out[j, r] -= acc
+
+    @njit(cache=True)
+    def _silu_mul(full, out):  # pragma: no cover - compiled
+        half = out.shape[1]
+        for j in range(out.shape[0]):
+            for r in range(half):
+                g = full[j, r]
+                out[j, r] = g / (np.float32(1.0) + np.exp(-g)) * full[j, r + half]
+
+    @njit(cache=True)
+    def _int8gz_gemv(w, s3, x, out, vnni, threads):  # pragma: no cover - compiled
+        """Grouped int8 with zero points (scale [out, 2, groups])."""
+        s = s3[:, 0]
+        if vnni:
+            _int8g_gemv_vnni(w, s, x, out, threads)
+        else:
+            _int8g_gemv(w, s, x, out, threads)
+        _sub_zero(s3[:, 1], _zero_sums(x, w.shape[1] // s.shape[1], 32 if vnni else 0), out, threads)
+
+    @njit(cache=True)
+    def _int8gz_swiglu(w, s3, x, out, vnni, threads):  # pragma: no cover - compiled
+        full = np.empty((x.shape[0], w.shape[0]), np.float32)
+        _int8gz_gemv(w, s3, x, full, vnni, threads)
+        _silu_mul(full, out)
+
+    @njit(cache=True)
+    def _int4z_gemv(w, s3, x, out, group, vnni, threads):  # pragma: no cover - compiled
+        """int4 with zero points (scale [out, 2, groups])."""
+        s = s3[:, 0]
+        if vnni:
+            _int4_gemv_vnni(w, s, x, out, group, threads)
+        else:
+            _int4_gemv(w, s, x, out, group, threads)
+        _sub_zero(s3[:, 1], _zero_sums(x, group, group if vnni else 0), out, threads)
+
+    @njit(cache=True)
+    def _int4z_swiglu(w, s3, x, out, group, vnni, threads):  # pragma: no cover - compiled
+        full = np.empty((x.shape[0], w.shape[0]), np.float32)
+        _int4z_gemv(w, s3, x, full, group, vnni, threads)
+        _silu_mul(full, out)
+
+    @njit(cache=True)
+    def _int4z_rows(w, s3, ids, out, group):  # pragma: no cover - compiled
+        if not _int4_rows(w, s3[:, 0], ids, out, group):
+            return False
+        for i in range(ids.shape[0]):
+            _sub_zero_row(s3[ids[i], 1], out[i], group)
         return True
 
     # group-32 prefill: one weight row against four input rows per step (cpu_simd's dot4 kernels)
@@ -625,17 +767,24 @@ def _np(t: torch.Tensor | np.ndarray) -> np.ndarray:
     return t if isinstance(t, np.ndarray) else t.numpy()
 
 
+def _zero(s: np.ndarray) -> tuple[np.ndarray, np.ndarray, bool]:
+    """(scale [out, groups], zero [out, groups], has_zero) of a grouped scale array; without
+    zero points the scale stands in for the zeros (the kernels ignore them)."""
+    return (s[:, 0], s[:, 1], True) if s.ndim == 3 else (s, s, False)
+
+
 def _check(method: str, in_features: int, qweight, scale, group_size: int) -> None:
     """The kernels index without bounds checks: shapes must agree (a cheap guard per call)."""
-    if method == "int8" and len(scale.shape) == 2:  # grouped: groups of 32
-        ok = (group_size == 32 and qweight.shape[1] == in_features and scale.shape[1] * 32 == in_features
-              and scale.shape[0] == qweight.shape[0])
+    zero_ok = len(scale.shape) < 3 or scale.shape[1] == 2
+    if method == "int8" and len(scale.shape) >= 2:  # grouped: groups of 16 or 32
+        ok = (group_size in quant_formats.INT8_GROUPS and qweight.shape[1] == in_features
+              and scale.shape[-1] * group_size == in_features and scale.shape[0] == qweight.shape[0])
     elif method == "int8":
         ok = qweight.shape[1] == in_features and scale.shape[0] == qweight.shape[0]
     else:  # 16-byte steps per group: group_size a multiple of 32
         ok = (group_size % 32 == 0 and 2 * qweight.shape[1] == in_features
-              and scale.shape[1] * group_size == in_features and scale.shape[0] == qweight.shape[0])
-    if not ok:
+              and scale.shape[-1] * group_size == in_features and scale.shape[0] == qweight.shape[0])
+    if not (ok and zero_ok):
         raise ValueError(
             f"{method} weight {tuple(qweight.shape)} / scale {tuple(scale.shape)} (group {group_size}) "
             f"do not fit {in_features} input columns"
@@ -653,12 +802,19 @@ def dequantize(
     """The fp32 weight [out, in] (numba, parallel) for the GEMM path."""
     _check(method, in_features, qweight, scale, group_size)
     out = torch.empty(qweight.shape[0], in_features, dtype=torch.float32)
-    threads = cpu_gemv.sync_threads()
-    if method == "int8":
-        (_int8g_dequant if len(scale.shape) == 2 else _int8_dequant)(_np(qweight), _np(scale), out.numpy(), threads)
-    else:
-        _int4_dequant(_np(qweight), _np(scale), out.numpy(), group_size, threads)
+    _dequantize_into(method, _np(qweight), _np(scale), out.numpy(), group_size, cpu_gemv.sync_threads())
     return out
+
+
+def _dequantize_into(method: str, w: np.ndarray, s: np.ndarray, out: np.ndarray, group_size: int, threads: int) -> None:
+    if method == "int8" and s.ndim >= 2:
+        _int8g_dequant(w, *_zero(s), out, threads)
+    elif method == "int8":
+        _int8_dequant(w, s, out, threads)
+    elif s.ndim == 3:
+        _int4z_dequant(w, s[:, 0], s[:, 1], out, group_size, threads)
+    else:
+        _int4_dequant(w, s, out, group_size, threads)
 
 
 # One reused buffer for the bf16 path's dequantised weights: a fresh multi-MB tensor per call
@@ -685,10 +841,15 @@ def dequantize_bf16(
     _check(method, out.shape[1], qweight, scale, group_size)
     bits = out.view(torch.int16).numpy().view(np.uint16)
     threads = cpu_gemv.sync_threads()
-    if method == "int8":
-        (_int8g_dequant_bf16 if len(scale.shape) == 2 else _int8_dequant_bf16)(_np(qweight), _np(scale), bits, threads)
+    w, s = _np(qweight), _np(scale)
+    if method == "int8" and s.ndim >= 2:
+        _int8g_dequant_bf16(w, *_zero(s), bits, threads)
+    elif method == "int8":
+        _int8_dequant_bf16(w, s, bits, threads)
+    elif s.ndim == 3:  # with zero points: fp32 row, then rounded (exact, like int8)
+        _int4z_dequant_bf16(w, s[:, 0], s[:, 1], bits, group_size, threads)
     else:
-        _int4_dequant_bf16(_np(qweight), _np(scale), bits, group_size, threads, _AVX512BW)
+        _int4_dequant_bf16(w, s, bits, group_size, threads, _AVX512BW)
     return out
 
 
@@ -715,8 +876,8 @@ def matmul(
     w, s = _np(qweight), _np(scale)
     n_out, n_in = w.shape[0], x.shape[1]
     _check(method, n_in, w, s, group_size)
-    grouped_int8 = method == "int8" and s.ndim == 2  # no W8A8 form: its scales change along a row
-    w8a8 = path == "int8" and cpu_w8a8.prefill_enabled(method) and not grouped_int8
+    # no W8A8 form for grouped int8 (its scales change along a row) or zero points
+    w8a8 = path == "int8" and cpu_w8a8.prefill_enabled(method) and s.ndim == (1 if method == "int8" else 2)
     if group_size == 32 and _group32_prefill_q8_0() and _group32_int8_activations(method, x.shape[0], n_in):
         # STRATA_GROUP32_PREFILL=q8_0, a GGUF's Q8_0 / Q4_0 layouts: integer kernels over blocks of
         # rows, so prefill rounds its activations as llama.cpp and decode do. Measured ~2x slower
@@ -752,10 +913,7 @@ def matmul(
         for r0 in range(0, n_out, tile_rows):
             r1 = min(n_out, r0 + tile_rows)
             tile = buf[: r1 - r0]
-            if method == "int8":
-                (_int8g_dequant if s.ndim == 2 else _int8_dequant)(w[r0:r1], s[r0:r1], tile.numpy(), threads)
-            else:
-                _int4_dequant(w[r0:r1], s[r0:r1], tile.numpy(), group_size, threads)
+            _dequantize_into(method, w[r0:r1], s[r0:r1], tile.numpy(), group_size, threads)
             out[:, r0:r1] = cpu_gemm.tile_mm(x, tile, path)
     if bias is not None:
         out += bias
@@ -769,7 +927,11 @@ def _group32_rows(method: str, x: torch.Tensor, w: np.ndarray, s: np.ndarray) ->
         return gemv(method, x, w, s, 32)
     out = np.empty((x.shape[0], w.shape[0]), np.float32)
     kernel = _int8g_gemm_vnni if method == "int8" else _int4g32_gemm_vnni
-    kernel(w, s, x.contiguous().numpy(), out, cpu_gemv.sync_threads())
+    xn = x.contiguous().numpy()
+    threads = cpu_gemv.sync_threads()
+    kernel(w, s[:, 0] if s.ndim == 3 else s, xn, out, threads)
+    if s.ndim == 3:
+        _sub_zero(s[:, 1], _zero_sums(xn, 32, 32), out, threads)
     return torch.from_numpy(out)
 
 
@@ -784,10 +946,14 @@ def gemv(
     _check(method, x.shape[1], w, s, group_size)
     out = np.empty((x.shape[0], w.shape[0]), np.float32)  # cheaper than torch.empty(...).numpy()
     threads = cpu_gemv.sync_threads()
-    if method == "int8" and s.ndim == 2:
+    if method == "int8" and s.ndim == 3:
+        _int8gz_gemv(w, s, x.numpy(), out, int8_int8(x.shape[1], 32), threads)
+    elif method == "int8" and s.ndim == 2:
         (_int8g_gemv_vnni if int8_int8(x.shape[1], 32) else _int8g_gemv)(w, s, x.numpy(), out, threads)
     elif method == "int8":
         (_int8_gemv_vnni if int8_int8(x.shape[1]) else _int8_gemv)(w, s, x.numpy(), out, threads)
+    elif s.ndim == 3:
+        _int4z_gemv(w, s, x.numpy(), out, group_size, int8_activations(x.shape[0], group_size, x.shape[1]), threads)
     elif int8_activations(x.shape[0], group_size, x.shape[1]):
         _int4_gemv_vnni(w, s, x.numpy(), out, group_size, threads)
     else:
@@ -809,10 +975,14 @@ def gemv_swiglu(
     _check(method, x.shape[1], w, s, group_size)
     out = np.empty((x.shape[0], w.shape[0] // 2), np.float32)
     threads = cpu_gemv.sync_threads()
-    if method == "int8" and s.ndim == 2:
+    if method == "int8" and s.ndim == 3:
+        _int8gz_swiglu(w, s, x.numpy(), out, int8_int8(x.shape[1], 32), threads)
+    elif method == "int8" and s.ndim == 2:
         (_int8g_swiglu_vnni if int8_int8(x.shape[1], 32) else _int8g_swiglu)(w, s, x.numpy(), out, threads)
     elif method == "int8":
         (_int8_swiglu_vnni if int8_int8(x.shape[1]) else _int8_swiglu)(w, s, x.numpy(), out, threads)
+    elif s.ndim == 3:
+        _int4z_swiglu(w, s, x.numpy(), out, group_size, int8_activations(x.shape[0], group_size, x.shape[1]), threads)
     elif int8_activations(x.shape[0], group_size, x.shape[1]):
         _int4_swiglu_vnni(w, s, x.numpy(), out, group_size, threads)
     else:
@@ -833,8 +1003,13 @@ def embedding_rows_np(method: str, w: np.ndarray, s: np.ndarray, flat: np.ndarra
     """embedding_rows on numpy arrays: the weight's and scale's, and int64 token ids [n]."""
     n_in = w.shape[1] * (2 if method == "int4" else 1)
     out = np.empty((flat.shape[0], n_in), np.float32)
-    if method == "int8":
-        ok = (_int8g_rows if s.ndim == 2 else _int8_rows)(w, s, flat, out)
+    if method == "int8" and s.ndim >= 2:
+        sc, z, has_zero = _zero(s)
+        ok = _int8g_rows(w, sc, z, has_zero, flat, out)
+    elif method == "int8":
+        ok = _int8_rows(w, s, flat, out)
+    elif s.ndim == 3:
+        ok = _int4z_rows(w, s, flat, out, group_size)
     else:
         ok = _int4_rows(w, s, flat, out, group_size)
     if not ok:

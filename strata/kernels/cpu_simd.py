@@ -634,6 +634,79 @@ def i8_dot_vnni_g32(typingctx, wr, sr, xq, xf):  # pragma: no cover - compiled
     return sig, codegen
 
 
+@intrinsic
+def i8_dot_vnni_g16(typingctx, wr, sr, xq, xf):  # pragma: no cover - compiled
+    """i8_dot_vnni_g32 for weight groups of 16 columns (a Q6_K file's sub-blocks) against
+    activations in groups of 32 (q8_0 blocks): sum_g sr[g] * xf[g // 2] * sum_k wr[k] * xq[k].
+    One VPDPBUSD covers four weight groups (four int32 lanes each) and two activation groups; an
+    odd last activation group runs beside a zero one."""
+    sig = types.float32(wr, sr, xq, xf)
+
+    def codegen(context, builder, signature, args):
+        w, sc, x, xs = (context.make_array(t)(context, builder, v) for t, v in zip(signature.args, args))
+        f32, vf, _, zero = _vec_consts()
+        i8, i32, i64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
+        vi = ir.VectorType(i32, _VL)
+        v4f = ir.VectorType(f32, 4)
+        v32b, v64b = ir.VectorType(i8, 32), ir.VectorType(i8, 64)
+        zeros = ir.Constant(v64b, [0] * 64)
+        concat = ir.Constant(ir.VectorType(i32, 64), list(range(64)))
+        quads = ir.Constant(vi, [k // 4 for k in range(16)])  # lane -> its weight group of four
+        dpbusd = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(vi, [vi, vi, vi]), "llvm.x86.avx512.vpdpbusd.512"
+        )
+        row = cgutils.alloca_once_value(builder, zero)
+
+        def xscale(ga):
+            return builder.load(builder.gep(xs.data, [ga], inbounds=True))
+
+        def lane_scales(g, ga, pair):
+            """Per-lane sr[g + k // 4] * xf[ga + k // 8] (pair: two activation groups, else one)."""
+            xf4 = builder.insert_element(ir.Constant(v4f, ir.Undefined), xscale(ga), ir.Constant(i32, 0))
+            xf4 = builder.insert_element(xf4, xscale(ga), ir.Constant(i32, 1))
+            second = xscale(builder.add(ga, ir.Constant(i64, 1))) if pair else ir.Constant(f32, 0.0)
+            xf4 = builder.insert_element(xf4, second, ir.Constant(i32, 2))
+            xf4 = builder.insert_element(xf4, second, ir.Constant(i32, 3))
+            if pair:
+                sr4 = builder.load(builder.bitcast(builder.gep(sc.data, [g], inbounds=True), v4f.as_pointer()), align=4)
+            else:  # two weight groups left: no load past the row's scales
+                sr4 = ir.Constant(v4f, [0.0] * 4)
+                for k in range(2):
+                    v = builder.load(builder.gep(sc.data, [builder.add(g, ir.Constant(i64, k))], inbounds=True))
+                    sr4 = builder.insert_element(sr4, v, ir.Constant(i32, k))
+            both = builder.fmul(sr4, xf4, flags=_FAST)
+            return builder.shuffle_vector(both, ir.Constant(v4f, ir.Undefined), quads)
+
+        def accumulate(wv, xv, scales):
+            negative = builder.icmp_signed("<", wv, zeros)
+            w_abs = builder.select(negative, builder.sub(zeros, wv), wv)
+            x_signed = builder.select(negative, builder.sub(zeros, xv), xv)
+            summed = builder.call(dpbusd, [ir.Constant(vi, [0] * _VL), builder.bitcast(w_abs, vi),
+                                           builder.bitcast(x_signed, vi)])
+            scaled = builder.fmul(builder.sitofp(summed, vf), scales, flags=_FAST)
+            builder.store(builder.fadd(builder.load(row), scaled, flags=_FAST), row)
+
+        def load(data, index, vt):
+            return builder.load(builder.bitcast(builder.gep(data, [index], inbounds=True), vt.as_pointer()), align=1)
+
+        na = cgutils.unpack_tuple(builder, xs.shape, 1)[0]  # activation groups (of 32)
+        with cgutils.for_range(builder, builder.udiv(na, ir.Constant(i64, 2))) as pair:
+            p = pair.index
+            k = builder.mul(p, ir.Constant(i64, 64))
+            scales = lane_scales(builder.mul(p, ir.Constant(i64, 4)), builder.add(p, p), True)
+            accumulate(load(w.data, k, v64b), load(x.data, k, v64b), scales)
+        with builder.if_then(builder.icmp_unsigned("!=", builder.and_(na, ir.Constant(i64, 1)), ir.Constant(i64, 0))):
+            ga = builder.sub(na, ir.Constant(i64, 1))
+            k = builder.mul(ga, ir.Constant(i64, 32))
+            pad = ir.Constant(v32b, [0] * 32)
+            wv = builder.shuffle_vector(load(w.data, k, v32b), pad, concat)
+            xv = builder.shuffle_vector(load(x.data, k, v32b), pad, concat)
+            accumulate(wv, xv, lane_scales(builder.add(ga, ga), ga, False))
+        return _hsum(builder, builder.load(row))
+
+    return sig, codegen
+
+
 # --- group-32 GEMM rows with VNNI: one weight row against four input rows (prefill) --------------
 
 DOT4_ROWS = 4

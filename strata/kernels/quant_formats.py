@@ -2,9 +2,15 @@
 
 - int8: `qweight` int8 [out, in], `scale` fp32 [out]; symmetric per output channel,
   w ~= qweight * scale with qweight in [-127, 127].
-- int8 grouped (group_size 32, a GGUF's Q8_0 read exactly; graph/gguf_weights.py): the same
-  qweight, `scale` fp32 [out, in / 32], one per 32 input columns (llama.cpp's q8_0 block: its fp16
-  scale widened, its 32 int8 codes as they are).
+- int8 grouped (group_size 32 or 16: a GGUF's Q8_0 / Q5_0 / Q6_K read exactly; graph/
+  gguf_weights.py): the same qweight, `scale` fp32 [out, in / group_size], one per group of input
+  columns (llama.cpp's q8_0 block: its fp16 scale widened, its 32 int8 codes as they are).
+- With a zero point ("asymmetric": a GGUF's Q4_1 / Q5_1 / Q4_K / Q5_K): `scale` fp32
+  [out, 2, groups] holds each group's scale s (scale[:, 0]) and zero z (scale[:, 1]), and the
+  weight is s * code - z, code the int8 value (int8 grouped) or nibble - 8 (int4). llama.cpp's
+  minima formats are exactly this: a Q4_K group's s = d * sc, z = dmin * m; Q4_1's z = -m.
+  The kernels compute sum(x * (s * code - z)) as s * sum(x * code) - z * sum(x) per group, the
+  second term from each input row's group sums (cpu_quant.zero_correction).
 - int4: `qweight` uint8 [out, in / 2], `scale` fp32 [out, in / group_size]; symmetric per group of
   `group_size` input columns, w ~= (q - 8) * scale with q in [0, 15]. Two nibbles per byte, laid
   out per group: byte k of a group of L columns holds column k (low nibble) and column k + L/2
@@ -35,7 +41,18 @@ def int4_group_size(in_features: int, group_size: int) -> int | None:
     return g if in_features % g == 0 else None
 
 
-INT8_GROUP = 32  # the one grouped int8 layout: a Q8_0 block
+INT8_GROUP = 32  # grouped int8's usual group: a Q8_0 block
+INT8_GROUPS = (16, 32)  # 16: a Q6_K file's sub-blocks
+
+
+def has_zero(scale: torch.Tensor) -> bool:
+    """Whether a grouped scale holds zero points too ([out, 2, groups]: module docstring)."""
+    return scale.dim() == 3
+
+
+def scales_and_zeros(scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(scale [out, groups], zero [out, groups] or None) of a grouped scale tensor."""
+    return (scale[:, 0], scale[:, 1]) if scale.dim() == 3 else (scale, None)
 
 
 def quantize_int8(w: torch.Tensor, group_size: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,9 +92,13 @@ def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch
 def dequantize_int8_ref(
     qweight: torch.Tensor, scale: torch.Tensor, dtype=torch.float32
 ) -> torch.Tensor:
-    if scale.dim() == 2:  # grouped
-        n_out, ng = scale.shape
-        return (qweight.to(torch.float32).view(n_out, ng, -1) * scale[..., None]).view(n_out, -1).to(dtype)
+    if scale.dim() >= 2:  # grouped (with zero points when 3-D)
+        s, z = scales_and_zeros(scale)
+        n_out, ng = s.shape
+        w = qweight.to(torch.float32).view(n_out, ng, -1) * s[..., None]
+        if z is not None:
+            w = w - z[..., None]
+        return w.view(n_out, -1).to(dtype)
     return (qweight.to(torch.float32) * scale[:, None]).to(dtype)
 
 
@@ -85,10 +106,14 @@ def dequantize_int4_ref(
     qweight: torch.Tensor, scale: torch.Tensor, dtype=torch.float32
 ) -> torch.Tensor:
     """The float weight [out, in] that the int4 kernels compute with (any device)."""
-    n_out, ng = scale.shape
+    s, z = scales_and_zeros(scale)
+    n_out, ng = s.shape
     packed = qweight.view(n_out, ng, -1)
     q = torch.cat(((packed & 15), (packed >> 4)), dim=2).to(torch.float32)
-    return ((q - 8.0) * scale[..., None]).view(n_out, -1).to(dtype)
+    w = (q - 8.0) * s[..., None]
+    if z is not None:
+        w = w - z[..., None]
+    return w.view(n_out, -1).to(dtype)
 
 
 def quantize_activations_ref(x: torch.Tensor, group_size: int) -> torch.Tensor:

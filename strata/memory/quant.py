@@ -20,6 +20,7 @@ filled is released and the memory it held shows up as free before the KV cache i
 from __future__ import annotations
 
 import logging
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -34,6 +35,15 @@ METHODS = quant_formats.METHODS
 GROUP_SIZES = quant_formats.GROUP_SIZES
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
 QUANT_CHUNK_ELEMENTS = 1 << 22  # weights quantised at a time: bounds the float temporaries (~100 MB)
+
+
+class Layout(NamedTuple):
+    """One projection's storage: method, group size (int8: 0 per row, 16 / 32 grouped) and
+    whether its groups carry zero points (quant_formats: a GGUF's minima formats, exactly)."""
+
+    method: str
+    group_size: int
+    zero: bool = False
 
 
 def narrow_untied_embedding(checkpoint_dtype: torch.dtype, dtype: torch.dtype, tied: bool) -> bool:
@@ -79,28 +89,34 @@ class QuantLinear(nn.Module):
 
     @classmethod
     def empty(cls, method: str, out_features: int, in_features: int, group_size: int,
-              bias: torch.Tensor | None, device: torch.device | str, grouped_int8: bool = False) -> QuantLinear:
+              bias: torch.Tensor | None, device: torch.device | str, grouped_int8: bool = False,
+              zero: bool = False) -> QuantLinear:
         """An uninitialised QuantLinear of this shape (on `meta`: for the loader to place and fill).
-        grouped_int8: int8 with a scale per 32 columns (a GGUF's Q8_0, exactly) instead of per row."""
+        grouped_int8: int8 with a scale per `group_size` (16 or 32; 0: 32) columns (a GGUF's Q8_0,
+        exactly) instead of per row. zero: grouped int8 / int4 whose groups have zero points too
+        (scale [out, 2, groups]: quant_formats)."""
         if method == "int8" and grouped_int8:
-            g = quant_formats.INT8_GROUP
+            g = group_size or quant_formats.INT8_GROUP
+            if g not in quant_formats.INT8_GROUPS or in_features % g:
+                raise ValueError(f"grouped int8: group size {g} must be one of {quant_formats.INT8_GROUPS} "
+                                 f"and divide in_features {in_features}")
             qweight = torch.empty(out_features, in_features, dtype=torch.int8, device=device)
-            scale = torch.empty(out_features, in_features // g, dtype=torch.float32, device=device)
-            return cls(method, qweight, scale, in_features, g, bias)
-        method, g = layer_format(method, in_features, group_size)
-        if method == "int8":
-            qweight = torch.empty(out_features, in_features, dtype=torch.int8, device=device)
-            scale = torch.empty(out_features, dtype=torch.float32, device=device)
         else:
+            method, g = layer_format(method, in_features, group_size)
+            if method == "int8":
+                qweight = torch.empty(out_features, in_features, dtype=torch.int8, device=device)
+                scale = torch.empty(out_features, dtype=torch.float32, device=device)
+                return cls(method, qweight, scale, in_features, g, bias)
             qweight = torch.empty(out_features, in_features // 2, dtype=torch.uint8, device=device)
-            scale = torch.empty(out_features, in_features // g, dtype=torch.float32, device=device)
-        return cls(method, qweight, scale, in_features, g, bias)
+        groups = (out_features, 2, in_features // g) if zero else (out_features, in_features // g)
+        return cls(method, qweight, torch.empty(groups, dtype=torch.float32, device=device), in_features, g, bias)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, method: str, group_size: int, grouped_int8: bool = False) -> QuantLinear:
+    def from_linear(cls, linear: nn.Linear, method: str, group_size: int, grouped_int8: bool = False,
+                    zero: bool = False) -> QuantLinear:
         w = linear.weight.detach()
         bias = None if linear.bias is None else linear.bias.detach()
-        q = cls.empty(method, linear.out_features, linear.in_features, group_size, bias, w.device, grouped_int8)
+        q = cls.empty(method, linear.out_features, linear.in_features, group_size, bias, w.device, grouped_int8, zero)
         if w.device.type != "meta":
             q.quantize_rows(0, w)
         return q
@@ -114,14 +130,20 @@ class QuantLinear(nn.Module):
         for i in range(0, w.shape[0], step):
             part = w[i : i + step]
             rows = slice(start + i, start + i + part.shape[0])
-            if ops.quantize_weight_rows(self.method, part, self.qweight[rows], self.scale[rows], self.group_size):
+            zero = quant_formats.has_zero(self.scale)
+            if not zero and ops.quantize_weight_rows(self.method, part, self.qweight[rows], self.scale[rows],
+                                                     self.group_size):
                 continue
             if self.method == "int8":
-                q, s = quant_formats.quantize_int8(part, self.group_size)
+                q, s = quant_formats.quantize_int8(part, self.group_size if self.scale.dim() > 1 else 0)
             else:
                 q, s = quant_formats.quantize_int4(part, self.group_size)
             self.qweight[rows].copy_(q)
-            self.scale[rows].copy_(s)
+            if zero:  # symmetric values in a layout with zero points: zero 0
+                self.scale[rows, 0].copy_(s)
+                self.scale[rows, 1].zero_()
+            else:
+                self.scale[rows].copy_(s)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float weight this module computes with (torch reference twin)."""
@@ -187,14 +209,14 @@ def _release_heap() -> None:
 
 
 def quantize_model(model: nn.Module, method: str, group_size: int = 64,
-                   formats: dict[str, tuple[str, int]] | None = None) -> nn.Module:
+                   formats: dict[str, Layout] | None = None) -> nn.Module:
     """Replace the model's dense projections by QuantLinear modules, in place; returns the model.
     On a model built on `meta` the QuantLinears are left empty, for the loader to fill.
 
     method: "int8" (per-output-channel scales) or "int4" (group-wise scales over `group_size`
     input columns, two weights per byte). See the module docstring for tied embeddings.
-    formats: (method, group size) by qualified projection name, in place of `method` there: a
-    GGUF's own layouts (graph/gguf_model.gguf_formats); ("int8", 32) is grouped int8.
+    formats: the Layout by qualified projection name, in place of `method` there: a GGUF's own
+    layouts (graph/gguf_model.gguf_formats); int8 with a group size there is grouped int8.
     """
     formats = formats or {}
     if method not in METHODS:
@@ -213,9 +235,9 @@ def quantize_model(model: nn.Module, method: str, group_size: int = 64,
             for child_name, child in list(module.named_children()):
                 if child_name in PROJECTIONS and isinstance(child, nn.Linear):
                     name = f"{prefix}.{child_name}" if prefix else child_name
-                    own, own_group = formats.get(name, (method, group_size))
+                    own, own_group, zero = formats.get(name, Layout(method, group_size))
                     grouped = name in formats and own == "int8" and own_group > 0
-                    q = QuantLinear.from_linear(child, own, own_group, grouped_int8=grouped)
+                    q = QuantLinear.from_linear(child, own, own_group, grouped_int8=grouped, zero=zero)
                     fallback += q.method != own
                     setattr(module, child_name, q)
         if tied:
@@ -226,8 +248,8 @@ def quantize_model(model: nn.Module, method: str, group_size: int = 64,
     _release_heap()
     if formats:
         counts: dict[str, int] = {}
-        for own, own_group in formats.values():
-            label = f"{own} group {own_group}" if own_group else f"{own} per row"
+        for own, own_group, zero in formats.values():
+            label = (f"{own} group {own_group}" if own_group else f"{own} per row") + (" with zero points" if zero else "")
             counts[label] = counts.get(label, 0) + 1
         logger.info("projections in the file's own layouts: %s", ", ".join(f"{v} {k}" for k, v in counts.items()))
     logger.info("quantized the dense projections to %s%s%s", method,

@@ -86,10 +86,12 @@ def _random_k_blocks(rows: int, cols: int, kind: T, seed: int) -> np.ndarray:
 
 
 def write_gguf(hf_model, path: Path, matrix_type: T = T.F32, embed_type: T | None = None,
-               split: int = 1) -> dict[str, torch.Tensor]:
+               split: int = 1, types: dict[str, T] | None = None) -> dict[str, torch.Tensor]:
     """Write `hf_model` as a GGUF (2-D projection weights in `matrix_type`, the embedding and
     output in `embed_type` (default: matrix_type), norms and biases F32; `split` > 1 writes
-    -0000k-of-0000N parts). Returns the HF state dict the file dequantizes to (the reference)."""
+    -0000k-of-0000N parts; `types`: a GGUF tensor name's ending -> its type instead, as
+    llama-quantize's mixes give, e.g. {"attn_v.weight": T.Q6_K}). Returns the HF state dict the
+    file dequantizes to (the reference)."""
     cfg = hf_model.config
     arch = ARCH[type(hf_model).__name__]
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -108,6 +110,7 @@ def write_gguf(hf_model, path: Path, matrix_type: T = T.F32, embed_type: T | Non
         kind = T.F32
         if w.ndim == 2:
             kind = (embed_type or matrix_type) if name in ("token_embd.weight", "output.weight") else matrix_type
+            kind = next((t for end, t in (types or {}).items() if name.endswith(end)), kind)
         if kind in _K_FP16:
             data = _random_k_blocks(*w.shape, kind, seed=len(tensors))
         elif kind == T.BF16:

@@ -91,6 +91,56 @@ def test_k_quants_equal_the_dequantized_reference(wide_llama, tmp_path, prompt_o
     torch.testing.assert_close(_strata_logits(path, ids), want, atol=ATOL, rtol=1e-5)
 
 
+# type -> the layout of a module holding only it: (method, group size, zero points)
+_EXACT_LAYOUT = {T.Q8_0: ("int8", 32, False), T.Q5_0: ("int8", 32, False), T.Q4_0: ("int4", 32, False),
+                 T.Q4_1: ("int4", 32, True), T.Q4_K: ("int4", 32, True), T.Q5_1: ("int8", 32, True),
+                 T.Q5_K: ("int8", 32, True), T.Q6_K: ("int8", 16, False)}
+
+
+def _layout(module) -> tuple[str, int, bool]:
+    return module.method, module.group_size, module.scale.dim() == 3
+
+
+@pytest.mark.parametrize("storage", ["int8", "int4"])
+@pytest.mark.parametrize("kind", list(_EXACT_LAYOUT), ids=lambda t: t.name)
+def test_block_types_load_exactly_into_quantized_storage(wide_llama, tmp_path, prompt_of, kind, storage):
+    """Every block type under int8 or int4 storage: held in the grouped layout that reproduces it
+    (graph/gguf_blocks.py), so the weights dequantize to the file's (int8 layouts bit for bit;
+    int4 with zero points up to the rounding of z - 8 * s) and the logits are the reference's."""
+    path = tmp_path / "wide.gguf"
+    reference = write_gguf(wide_llama.hf, path, kind, embed_type=kind)
+    m = load_model(check_model_dir(path), torch.float32, "cpu", 256, storage, 32)
+    down, qkv = m.layers[0].mlp.down_proj, m.layers[0].self_attn.qkv_proj
+    assert _layout(down) == _layout(qkv) == _layout(m.lm_head) == _EXACT_LAYOUT[kind]
+    want = reference["model.layers.0.mlp.down_proj.weight"]
+    tol = dict(atol=0, rtol=0) if down.method == "int8" or kind == T.Q4_0 else dict(atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(down.dequantize(), want, **tol)
+    ids = prompt_of(5, 40)
+    want_logits = _reference_logits(wide_llama, reference, ids)
+    torch.testing.assert_close(_strata_logits(path, ids, storage, 32), want_logits, atol=ATOL, rtol=1e-5)
+
+
+_Q4_K_M = {"attn_v.weight": T.Q6_K, "ffn_down.weight": T.Q6_K, "output.weight": T.Q6_K}  # the rest Q4_K
+
+
+def test_a_q4_k_m_mix_takes_the_layouts_that_hold_each_module(wide_llama, tmp_path, prompt_of):
+    """llama-quantize's Q4_K_M: Q4_K with Q6_K attn_v / ffn_down / output. The fused qkv holds
+    [Q4_K; Q4_K; Q6_K]: int8 by 16 with zero points; gate_up int4 group 32 with zero points; the
+    Q6_K down and head int8 by 16. All exact: the logits are the dequantized reference's."""
+    path = tmp_path / "q4km.gguf"
+    reference = write_gguf(wide_llama.hf, path, T.Q4_K, types=_Q4_K_M)
+    m = load_model(check_model_dir(path), torch.float32, "cpu", 256, "int4", 32)
+    layer = m.layers[0]
+    assert _layout(layer.self_attn.qkv_proj) == ("int8", 16, True)
+    assert _layout(layer.mlp.gate_up_proj) == ("int4", 32, True)
+    assert _layout(layer.mlp.down_proj) == _layout(m.lm_head) == ("int8", 16, False)
+    v = reference["model.layers.0.self_attn.v_proj.weight"]  # its Q6_K rows, bit for bit
+    torch.testing.assert_close(layer.self_attn.qkv_proj.dequantize()[-v.shape[0]:], v, atol=0, rtol=0)
+    ids = prompt_of(6, 40)
+    torch.testing.assert_close(_strata_logits(path, ids, "int4", 32), _reference_logits(wide_llama, reference, ids),
+                               atol=ATOL, rtol=1e-5)
+
+
 def test_q4_0_repacks_exactly_into_int4_group_32(tiny_models, tmp_path, prompt_of):
     """Q4_0 into int4 group 32 is a byte copy: the model's int4 weights dequantize to the file's."""
     tiny = tiny_models["llama"]
@@ -202,24 +252,30 @@ def test_q8_0_repacks_exactly_into_grouped_int8(tiny_models, tmp_path, prompt_of
                                atol=ATOL, rtol=1e-5)
 
 
-@pytest.mark.parametrize("kind", [T.Q8_0, T.Q4_0], ids=lambda t: t.name)
-def test_group_32_layouts_decode_fused_as_eager(tiny_models, tmp_path, prompt_of, llm_factory, engine_clean,
-                                                 monkeypatch, kind):
-    """A GGUF's exact layouts (grouped int8, int4 group 32) with their int8-activation kernels on:
-    the fused CPU decode layer gives the eager path's tokens and logprobs (kernels/cpu_decode_layer.py)."""
+@pytest.mark.parametrize("kind", [T.Q8_0, T.Q4_0, "Q4_K_M"], ids=lambda t: getattr(t, "name", t))
+def test_group_32_layouts_decode_fused_as_eager(tiny_models, wide_llama, tmp_path, prompt_of, llm_factory,
+                                                 engine_clean, monkeypatch, caplog, kind):
+    """A GGUF's exact layouts (grouped int8 by 32 or 16, int4 group 32, with and without zero
+    points) with their int8-activation kernels on: the fused CPU decode layer gives the eager
+    path's tokens and logprobs (kernels/cpu_decode_layer.py)."""
     from strata import SamplingParams
 
     monkeypatch.delenv("STRATA_INT4_FP32_ACTIVATIONS")
     monkeypatch.delenv("STRATA_INT8_FP32_ACTIVATIONS")
     path = tmp_path / "m.gguf"
-    write_gguf(tiny_models["llama"].hf, path, kind, embed_type=T.Q8_0)
+    if kind == "Q4_K_M":
+        write_gguf(wide_llama.hf, path, T.Q4_K, types=_Q4_K_M)
+    else:
+        write_gguf(tiny_models["llama"].hf, path, kind, embed_type=T.Q8_0)
     llm = llm_factory(path, enable_prefix_caching=False)
     prompts = [{"prompt_token_ids": prompt_of(50 + i, 4 + 9 * i)} for i in range(3)]
     sp = SamplingParams(temperature=0, max_tokens=10, logprobs=1, ignore_eos=True)
     runs = []
     for fused in ("1", "0"):
         monkeypatch.setenv("STRATA_FUSED_DECODE", fused)
-        outs = llm.generate(prompts, sp, use_tqdm=False)
+        with caplog.at_level("INFO", logger="strata.platform.cpu_decode_step"):
+            outs = llm.generate(prompts, sp, use_tqdm=False)
+        assert "eager" not in caplog.text  # every layer ran fused (cpu_decode_step logs the others)
         runs.append([(list(o.outputs[0].token_ids), [lp[t] for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
                      for o in outs])
     engine_clean(llm)

@@ -17,18 +17,27 @@ class _Q:
     """A minimal stand-in for memory.quant.QuantLinear (what kernels.linear reads)."""
 
     def __init__(self, w: torch.Tensor, method: str, group_size: int = 64) -> None:
-        """method "int8g": grouped int8 (a scale per 32 columns, a GGUF's Q8_0)."""
-        grouped = method == "int8g"
+        """method "int8g": grouped int8 (a scale per 32 columns, a GGUF's Q8_0); "int8g16" per 16
+        (Q6_K); a "z" suffix ("int8gz", "int8g16z", "int4z": int4 group 32) adds zero points
+        (scale [out, 2, groups]: a GGUF's Q4_K / Q5_K / Q4_1 / Q5_1)."""
+        zero = method.endswith("z")
+        method = method.removesuffix("z")
+        grouped = {"int8g": 32, "int8g16": 16}.get(method)
         method = "int8" if grouped else method
+        if zero and method == "int4":
+            group_size = 32
         self.method, self.in_features = method, w.shape[1]
         self.group_size = quant_formats.int4_group_size(w.shape[1], group_size) if method == "int4" else 0
         if grouped:
-            self.group_size = 32
-            self.qweight, self.scale = quant_formats.quantize_int8(w, 32)
+            self.group_size = grouped
+            self.qweight, self.scale = quant_formats.quantize_int8(w, grouped)
         elif method == "int8":
             self.qweight, self.scale = quant_formats.quantize_int8(w)
         else:
             self.qweight, self.scale = quant_formats.quantize_int4(w, self.group_size)
+        if zero:  # zero points of the size a group's minimum has: about its scale times 8
+            g = torch.Generator().manual_seed(w.shape[0])
+            self.scale = torch.stack([self.scale, self.scale * 8 * torch.rand(self.scale.shape, generator=g)], dim=1)
 
     def kernel_weights(self):
         return self.qweight, self.scale
@@ -39,17 +48,22 @@ class _Q:
         return quant_formats.dequantize_int4_ref(self.qweight, self.scale, dtype)
 
 
+ALL_METHODS = ["int8", "int8g", "int4", "int8g16", "int8gz", "int8g16z", "int4z"]
+
+
 def _seen(x: torch.Tensor, q: _Q) -> torch.Tensor:
     """The input the kernel computes with: on a VNNI CPU, int4 batch-1 rounds it to int8 per weight
     group, int8 GEMVs per group of cpu_quant.INT8_ACT_GROUP columns; the group-32 layouts (int4
     group 32, grouped int8) to llama.cpp's q8_0 blocks at any row count."""
     rows = x.reshape(-1, x.shape[-1])
     many = rows.shape[0] > cpu_quant.MAX_ROWS  # the matmul path: q8_0 there only when asked
-    if (q.group_size == 32 and (not many or os.environ.get("STRATA_GROUP32_PREFILL") == "q8_0")
+    q8_0 = q.group_size == 32 and os.environ.get("STRATA_GROUP32_PREFILL") == "q8_0"
+    grouped = q.group_size == 32 or (q.method == "int8" and q.group_size == 16)
+    if (grouped and (not many or q8_0)
             and (cpu_quant.int8_int8(rows.shape[1], 32) if q.method == "int8"
                  else cpu_quant.int8_activations(rows.shape[0], 32, rows.shape[1]))):
         return quant_formats.quantize_activations_q8_0_ref(rows).view_as(x)
-    if q.method == "int4" and cpu_quant.int8_activations(rows.shape[0], q.group_size, rows.shape[1]):
+    if q.method == "int4" and not many and cpu_quant.int8_activations(rows.shape[0], q.group_size, rows.shape[1]):
         return quant_formats.quantize_activations_ref(rows, q.group_size).view_as(x)
     if q.method == "int8" and rows.shape[0] <= cpu_quant.MAX_ROWS and cpu_quant.int8_int8(rows.shape[1]):
         return quant_formats.quantize_activations_ref(rows, cpu_quant.INT8_ACT_GROUP).view_as(x)
@@ -125,7 +139,7 @@ def test_int4_group_size_rule():
 
 
 @needs_numba
-@pytest.mark.parametrize("method", ["int8", "int8g", "int4"])
+@pytest.mark.parametrize("method", ALL_METHODS)
 @pytest.mark.parametrize("rows", [1, 2, 5, 9, 14, cpu_quant.MAX_ROWS])
 @pytest.mark.parametrize("shape", [(1, 64), (7, 96), (96, 64), (333, 128), (1024, 576)])
 @pytest.mark.parametrize("bias", [False, True])
@@ -167,7 +181,7 @@ def test_int4_group_sizes(group, rows):
 
 
 @needs_numba
-@pytest.mark.parametrize("method", ["int8", "int8g", "int4"])
+@pytest.mark.parametrize("method", ALL_METHODS)
 @pytest.mark.parametrize("rows", [1, 4, 11, cpu_quant.MAX_ROWS])
 @pytest.mark.parametrize("shape", [(2, 64), (96, 64), (3072, 576)])
 def test_gemv_swiglu_matches_reference(method, rows, shape):
@@ -183,7 +197,7 @@ def test_gemv_swiglu_matches_reference(method, rows, shape):
 
 
 @needs_numba
-@pytest.mark.parametrize("method", ["int8", "int8g", "int4"])
+@pytest.mark.parametrize("method", ALL_METHODS)
 @pytest.mark.parametrize("shape", [(17, 64), (2100, 64), (300, 4096)])  # one tile, several, short tiles
 @pytest.mark.parametrize("prefill", ["fast", "q8_0"])
 def test_tiled_matmul_matches_reference(method, shape, prefill, monkeypatch):
@@ -400,7 +414,7 @@ def test_int4_w8a8_prefill_refuses_outlier_rows_and_obeys_the_switches(monkeypat
 
 
 @needs_numba
-@pytest.mark.parametrize("method", ["int8", "int8g", "int4"])
+@pytest.mark.parametrize("method", ALL_METHODS)
 def test_numba_dequantize_matches_reference(method):
     w = torch.randn(257, 384)
     q = _Q(w, method)
@@ -408,7 +422,7 @@ def test_numba_dequantize_matches_reference(method):
     torch.testing.assert_close(got, q.dequantize(), rtol=1e-6, atol=1e-6)
     bf16 = cpu_quant.dequantize_bf16(q.method, q.qweight, q.scale, torch.empty(257, 384, dtype=torch.bfloat16),
                                      q.group_size)
-    if method != "int4":  # int8: bit for bit (cpu_quant.dequantize_bf16)
+    if method != "int4":  # int8 and the zero-point layouts: bit for bit (cpu_quant.dequantize_bf16)
         assert torch.equal(bf16, q.dequantize().to(torch.bfloat16))
     ids = torch.tensor([0, 256, 7])
     torch.testing.assert_close(cpu_quant.embedding_rows(q.method, q.qweight, q.scale, ids, q.group_size),
@@ -418,7 +432,7 @@ def test_numba_dequantize_matches_reference(method):
 # --- dispatch -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("method", ["int8", "int8g", "int4"])
+@pytest.mark.parametrize("method", ALL_METHODS)
 def test_dispatch_paths_agree(method):
     w, b = torch.randn(80, 128), torch.randn(80)
     q = _Q(w, method)
