@@ -390,9 +390,11 @@ if numba is not None:
         group = wr.shape[0] // sr.shape[0]
         total = np.float32(0.0)
         for g in range(sr.shape[0]):
+            ws = wr[g * group:(g + 1) * group]
+            xs = xj[g * group:(g + 1) * group]
             part = np.float32(0.0)
-            for c in range(g * group, g * group + group):
-                part += np.float32(wr[c]) * xj[c]
+            for k in range(group):
+                part += np.float32(ws[k]) * xs[k]
             total += part * sr[g]
         return total
 
@@ -425,23 +427,22 @@ if numba is not None:
     def _sub_zero_row(zr, row, group):  # pragma: no cover - compiled
         for g in range(zr.shape[0]):
             zc = zr[g]
-            for c in range(g * group, g * group + group):
-                row[c] -= zc
+            seg = row[g * group:(g + 1) * group]
+            for k in range(group):
+                seg[k] -= zc
 
     @njit(fastmath=True, cache=True, inline="always")
     def _int8g_row(wr, sr, zr, has_zero, row):  # pragma: no cover - compiled
         """row = wr * its group's scale (- its zero): quant_formats.dequantize_int8_ref."""
-        # group by group with a constant trip count: no division per column, and LLVM vectorises it
-        if wr.shape[0] == 32 * sr.shape[0]:
-            for g in range(sr.shape[0]):
-                sc = sr[g]
-                for k in range(32):
-                    row[g * 32 + k] = np.float32(wr[g * 32 + k]) * sc
-        else:
-            for g in range(sr.shape[0]):
-                sc = sr[g]
-                for k in range(16):
-                    row[g * 16 + k] = np.float32(wr[g * 16 + k]) * sc
+        # group by group over slices indexed from 0: no division per column and no negative-index
+        # check per element, so LLVM vectorises it (measured ~3x the per-column loop)
+        group = wr.shape[0] // sr.shape[0]
+        for g in range(sr.shape[0]):
+            sc = sr[g]
+            ws = wr[g * group:(g + 1) * group]
+            rs = row[g * group:(g + 1) * group]
+            for k in range(group):
+                rs[k] = np.float32(ws[k]) * sc
         if has_zero:
             _sub_zero_row(zr, row, wr.shape[0] // sr.shape[0])
 
