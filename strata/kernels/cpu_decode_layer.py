@@ -144,8 +144,8 @@ if numba is not None:
 def uses_vnni(fmt: str, n_in: int, rows: int, group: int) -> bool:
     """Whether a projection of this format runs its int8-activation kernel at `rows` input rows,
     by the rules the eager dispatch follows (cpu_quant.int8_int8 / int8_activations)."""
-    if fmt == "int8":
-        return cpu_quant.int8_int8(n_in, group)
+    if fmt == "int8":  # grouped int8 (by 16 or 32) quantises its activations per 32 columns
+        return cpu_quant.int8_int8(n_in, 32 if group else 0)
     return fmt == "int4" and cpu_quant.int8_activations(rows, group, n_in)
 
 

@@ -500,3 +500,13 @@ def test_int4_group_32_q8_0_prefill_equals_its_twin(rows, n_in, monkeypatch):
     monkeypatch.setenv("STRATA_GROUP32_PREFILL", "exact")
     with pytest.raises(ConfigError, match="STRATA_GROUP32_PREFILL='exact': choose one of fast, q8_0"):
         cpu_quant.matmul("int4", x, q.qweight, q.scale, 32)
+
+
+@pytest.mark.parametrize("n_in,group", [(48, 16), (96, 16), (128, 16), (96, 32), (128, 32)])
+def test_fused_layer_picks_the_eager_int8_activation_rule(n_in, group):
+    """The fused decode layer's kernel choice for grouped int8 (by 16 or 32) is the eager
+    dispatch's: int8 activations in q8_0 blocks of 32, so only where 32 divides the row (48 does
+    not: both take the fp32 kernel)."""
+    from strata.kernels.cpu_decode_layer import uses_vnni
+
+    assert uses_vnni("int8", n_in, 1, group) == cpu_quant.int8_int8(n_in, 32)
