@@ -40,6 +40,7 @@ from strata.engine.sampler import Sampler
 from strata.engine.scheduler import Scheduler
 from strata.engine.speculative import NgramProposer, Speculator
 from strata.errors import ConfigError, ModelLoadError
+from strata.graph import prequantized
 from strata.graph.fusion import fuse_model
 from strata.graph.gguf_model import default_storage, gguf_files
 from strata.graph.hub import check_model_dir
@@ -154,6 +155,25 @@ def gguf_storage(config: EngineConfig, path: Path) -> EngineConfig:
         return config
     return dataclasses.replace(config, quantization=method,
                                quantization_group_size=group or config.quantization_group_size)
+
+
+def prequantized_storage(config: EngineConfig, path: Path) -> EngineConfig:
+    """A checkpoint quantized elsewhere (AWQ / GPTQ / compressed-tensors / FP8, graph/prequantized.py):
+    its projections in the storage that holds them exactly (FP8: bf16 unless --quantization says);
+    a --quantization that would change an int4 / int8 checkpoint is refused."""
+    config_json = path / "config.json"
+    if gguf_files(path) is not None or not config_json.is_file():
+        return config
+    scheme = prequantized.scheme_of(json.loads(config_json.read_text()), path)
+    if scheme is None:
+        return config
+    if config.quantization not in (None, scheme.storage) and scheme.method != "fp8":
+        raise ConfigError(f"{path}: the checkpoint is already quantized ({scheme.describe()}); "
+                          f"--quantization {config.quantization} cannot change that: drop it")
+    if config.quantization is not None:
+        return config
+    logger.info("prequantized checkpoint: %s; served as %s", scheme.describe(), scheme.storage)
+    return dataclasses.replace(config, quantization=scheme.storage)
 
 
 def resolve_dtype(name: str, device: str, checkpoint_dtype: torch.dtype, profile: HardwareProfile | None) -> torch.dtype:
@@ -382,7 +402,7 @@ def build_engine(config: EngineConfig, detokenize: bool = True, profile: Hardwar
 def _build(config: EngineConfig, ckpt: Checkpoint, detokenize: bool, threads: int, platform: Platform,
            workload: str, ranks, comm, control) -> EngineParts:
     cfg = ckpt.model_config
-    config = gguf_storage(config, ckpt.path)
+    config = prequantized_storage(gguf_storage(config, ckpt.path), ckpt.path)
     config = resolve_weight_storage(config, cfg.torch_dtype, platform.profile)
     dtype = resolve_dtype(config.dtype, config.device, cfg.torch_dtype, platform.profile)
     max_len = resolve_max_model_len(cfg, config.max_model_len)

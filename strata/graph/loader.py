@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from strata.errors import ModelLoadError
+from strata.graph import prequantized
 from strata.graph.gguf_file import GGUFFile
 from strata.graph.gguf_model import PERMUTED_QK, gguf_files, gguf_formats, hf_name
 from strata.graph.gguf_weights import fill as gguf_fill
@@ -222,6 +223,52 @@ def _fill(f: SafetensorsFile, name: str, target: _Target) -> None:
         write(a, f.read_rows(name, a, min(n, a + step)))
 
 
+def _projection_parts(model: CausalLM, cfg: ModelConfig) -> dict[str, tuple[str, int]]:
+    """Our projection module name -> (the HF module of one of its parts, its input width)."""
+    hidden, q = cfg.hidden_size, cfg.num_heads * cfg.head_dim
+    out = {}
+    for i in range(len(model.layers)):
+        p = f"layers.{i}"
+        out[f"{p}.self_attn.qkv_proj"] = (f"model.{p}.self_attn.q_proj", hidden)
+        out[f"{p}.self_attn.o_proj"] = (f"model.{p}.self_attn.o_proj", q)
+        out[f"{p}.mlp.gate_up_proj"] = (f"model.{p}.mlp.gate_proj", hidden)
+        out[f"{p}.mlp.down_proj"] = (f"model.{p}.mlp.down_proj", cfg.intermediate_size)
+    return out
+
+
+def _fill_prequantized(files: list[Path], targets: dict[str, _Target], scheme: prequantized.Scheme,
+                       loaded: set[str], ignored: list[str]) -> None:
+    """The safetensors path for a prequantized checkpoint: a quantized projection's tensors
+    (qweight, scales, ...) read together, possibly across shards, and decoded into its module
+    (graph/prequantized.py); every other tensor as load_model reads it."""
+    opened = [SafetensorsFile(f) for f in files]
+    try:
+        where = {n: f for f in opened for n in f.names()}
+        used: set[str] = set()
+        for hf, target in targets.items():
+            prefix = hf.removesuffix(".weight")
+            if hf.endswith(".weight") and target.attr == "weight" and prequantized.holds(scheme, where, prefix):
+                names = [f"{prefix}.{c}" for c in scheme.components() if f"{prefix}.{c}" in where]
+                parts = {n.rsplit(".", 1)[1]: where[n].read_rows(n, 0, where[n].shape(n)[0] if where[n].shape(n) else 1)
+                         for n in names}
+                prequantized.fill_module(scheme, parts, target.module, target.rows, target.shape, hf)
+                used.update(names)
+                loaded.add(hf)
+            elif hf in where:
+                f = where[hf]
+                if f.shape(hf) != target.shape:
+                    raise ModelLoadError(
+                        f"{f.path.name}: tensor {hf!r} has shape {list(f.shape(hf))}, but config.json "
+                        f"implies {list(target.shape)}; the checkpoint and config.json disagree")
+                _fill(f, hf, target)
+                used.add(hf)
+                loaded.add(hf)
+        ignored.extend(n for n in where if n not in used)
+    finally:
+        for f in opened:
+            f.close()
+
+
 def _fill_from_gguf(files: list[Path], targets: dict[str, _Target], cfg: ModelConfig, loaded: set[str],
                     ignored: list[str]) -> None:
     """The GGUF path of load_model: llama.cpp tensor names mapped to the targets' HF names."""
@@ -266,8 +313,17 @@ def load_model(
         model = CausalLM(cfg, max_positions)
     model = model.to(dtype)
     model.tie_weights()
-    formats = gguf_formats(path, cfg.tie_word_embeddings, storage) if ggufs else None
-    convert_storage(model, storage, group_size, cfg.torch_dtype, formats)
+    scheme = None if ggufs else prequantized.scheme_of(json.loads((path / "config.json").read_text()), path)
+    if scheme is not None and scheme.method != "fp8":  # the checkpoint's own layouts, exactly
+        if storage not in (None, scheme.storage):
+            raise ModelLoadError(f"{path}: the checkpoint is already quantized ({scheme.describe()}); "
+                                 f"--quantization {storage} cannot change that: drop it")
+        quantize_model(model, scheme.storage, 64, prequantized.layouts(scheme, _projection_parts(model, cfg)),
+                       only_formats=True)
+        logger.info("prequantized checkpoint: %s, held exactly", scheme.describe())
+    else:
+        formats = gguf_formats(path, cfg.tie_word_embeddings, storage) if ggufs else None
+        convert_storage(model, storage, group_size, cfg.torch_dtype, formats)
     if torch.device(device).type == "cpu":
         materialize_in_arena(model)  # shared (tied) tensors stay shared
     else:
@@ -279,7 +335,9 @@ def load_model(
     with torch.no_grad():
         if ggufs:
             _fill_from_gguf(ggufs, targets, cfg, loaded, ignored)
-        for file in [] if ggufs else files:
+        if scheme is not None:
+            _fill_prequantized(files, targets, scheme, loaded, ignored)
+        for file in [] if ggufs or scheme else files:
             with SafetensorsFile(file) as f:
                 for name in f.names():
                     target = targets.get(name)

@@ -9,6 +9,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from strata.errors import ConfigError
 from strata.memory.quant import QuantLinear
 
 
@@ -96,8 +97,11 @@ def _float_linear(cls: type, weight: torch.Tensor, bias: torch.Tensor | None) ->
 
 
 def _quant(q: QuantLinear, qweight, scale, in_features: int, bias) -> QuantLinear:
-    return QuantLinear(q.method, qweight.contiguous().clone(), scale.contiguous().clone(), in_features,
-                       q.group_size, None if bias is None else bias.contiguous().clone())
+    out = QuantLinear(q.method, qweight.contiguous().clone(), scale.contiguous().clone(), in_features,
+                      q.group_size, None if bias is None else bias.contiguous().clone())
+    if q.input_perm is not None and in_features == q.in_features:  # its rows, all its input columns
+        out.set_input_perm(q.input_perm.clone())
+    return out
 
 
 def column_parallel(proj: nn.Module, spans: list[slice]) -> nn.Module:
@@ -117,6 +121,10 @@ def row_parallel(proj: nn.Module, cols: slice, comm: Comm) -> RowParallelLinear:
     """Input columns `cols` of a Linear / QuantLinear (bias added once, after the all-reduce)."""
     bias = None if proj.bias is None else proj.bias.detach().clone()
     if isinstance(proj, QuantLinear):
+        if proj.input_perm is not None:
+            raise ConfigError("tensor parallel: a GPTQ act-order (desc_act) checkpoint's row-parallel "
+                              "projections gather their input across the whole row; shard a checkpoint "
+                              "without act order, or run it on one device")
         width = cols.stop - cols.start
         if proj.method == "int8" and proj.scale.dim() == 1:  # per-row scale: the same for every column slice
             inner = _quant(proj, proj.qweight[:, cols], proj.scale, width, None)

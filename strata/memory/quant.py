@@ -84,6 +84,9 @@ class QuantLinear(nn.Module):
         self.register_buffer("qweight", qweight)
         self.register_buffer("scale", scale)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        # a GPTQ act-order checkpoint's input column order (graph/prequantized.py): the weight's
+        # columns are stored so its groups are runs, and the input is gathered to match
+        self.register_buffer("input_perm", None)
         self._kernel_key: tuple[int, int] | None = None
         self._kernel_weights: tuple = ()
 
@@ -146,10 +149,15 @@ class QuantLinear(nn.Module):
                 self.scale[rows].copy_(s)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The float weight this module computes with (torch reference twin)."""
+        """The float weight this module computes with (torch reference twin), in the input's own
+        column order (an act-order weight's columns put back)."""
         if self.method == "int8":
-            return quant_formats.dequantize_int8_ref(self.qweight, self.scale, dtype)
-        return quant_formats.dequantize_int4_ref(self.qweight, self.scale, dtype)
+            w = quant_formats.dequantize_int8_ref(self.qweight, self.scale, dtype)
+        else:
+            w = quant_formats.dequantize_int4_ref(self.qweight, self.scale, dtype)
+        if self.input_perm is not None:
+            w = torch.empty_like(w).index_copy_(1, self.input_perm, w)
+        return w
 
     def kernel_weights(self) -> tuple:
         """(qweight, scale) as numpy views for the CPU kernels, cached until the buffers move."""
@@ -159,13 +167,20 @@ class QuantLinear(nn.Module):
             self._kernel_key = key
         return self._kernel_weights
 
+    def set_input_perm(self, perm: torch.Tensor) -> None:
+        self.input_perm = perm.to(torch.int64).contiguous()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.input_perm is not None:
+            x = x.index_select(-1, self.input_perm)
         return quant_linear(x, self, self.bias)
 
     def swiglu(self, x: torch.Tensor) -> torch.Tensor | None:
         """silu(gate) * up in one pass over a [gate; up] weight, or None where no kernel applies."""
         if self.bias is not None:
             return None
+        if self.input_perm is not None:
+            x = x.index_select(-1, self.input_perm)
         return quant_swiglu(x, self)
 
     def extra_repr(self) -> str:
@@ -209,7 +224,7 @@ def _release_heap() -> None:
 
 
 def quantize_model(model: nn.Module, method: str, group_size: int = 64,
-                   formats: dict[str, Layout] | None = None) -> nn.Module:
+                   formats: dict[str, Layout] | None = None, only_formats: bool = False) -> nn.Module:
     """Replace the model's dense projections by QuantLinear modules, in place; returns the model.
     On a model built on `meta` the QuantLinears are left empty, for the loader to fill.
 
@@ -217,6 +232,8 @@ def quantize_model(model: nn.Module, method: str, group_size: int = 64,
     input columns, two weights per byte). See the module docstring for tied embeddings.
     formats: the Layout by qualified projection name, in place of `method` there: a GGUF's own
     layouts (graph/gguf_model.gguf_formats); int8 with a group size there is grouped int8.
+    only_formats: leave the projections `formats` does not name as they are (a prequantized
+    checkpoint's unquantized lm_head, graph/prequantized.py).
     """
     formats = formats or {}
     if method not in METHODS:
@@ -235,12 +252,14 @@ def quantize_model(model: nn.Module, method: str, group_size: int = 64,
             for child_name, child in list(module.named_children()):
                 if child_name in PROJECTIONS and isinstance(child, nn.Linear):
                     name = f"{prefix}.{child_name}" if prefix else child_name
+                    if only_formats and name not in formats:
+                        continue
                     own, own_group, zero = formats.get(name, Layout(method, group_size))
                     grouped = name in formats and own == "int8" and own_group > 0
                     q = QuantLinear.from_linear(child, own, own_group, grouped_int8=grouped, zero=zero)
                     fallback += q.method != own
                     setattr(module, child_name, q)
-        if tied:
+        if tied and isinstance(model.lm_head, QuantLinear):
             model.embed_tokens = QuantEmbedding(model.lm_head, dtype)
     if fallback:
         logger.warning("int4: %d projection(s) have no group size dividing their columns; kept int8", fallback)

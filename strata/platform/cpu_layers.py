@@ -74,7 +74,7 @@ def projection(m) -> tuple[str, np.ndarray, np.ndarray, np.ndarray, int] | None:
             return "bf16", w.detach().view(torch.int16).numpy(), NO_ARRAY, b, 0
         return None
     if getattr(m, "method", None) in ("int8", "int4") and hasattr(m, "kernel_weights"):
-        if not m.qweight.is_cpu:
+        if not m.qweight.is_cpu or getattr(m, "input_perm", None) is not None:  # act order: eager
             return None
         w, s = m.kernel_weights()
         return m.method, w, s, b, m.group_size
@@ -109,7 +109,7 @@ def llama_layer(layer: DecoderLayer, kv_cache: torch.Tensor, rows: int) -> tuple
         return "norms not plain fp32 with one eps"
     parts = [projection(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
     if any(p is None for p in parts):
-        return "a projection without a fused kernel (tensor-parallel shard, another weight format)"
+        return "a projection without a fused kernel (tensor-parallel shard, another weight format, act-order input)"
     (_, wq, sq, bq, gq), (_, wo, so, bo, go), (_, wg, sg, bg, gg), (_, wd, sd, bd, gd) = parts
     if bg.shape[0]:
         return "a gate/up bias (the SwiGLU kernels take none)"

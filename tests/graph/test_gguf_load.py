@@ -275,7 +275,8 @@ def test_group_32_layouts_decode_fused_as_eager(tiny_models, wide_llama, tmp_pat
         monkeypatch.setenv("STRATA_FUSED_DECODE", fused)
         with caplog.at_level("INFO", logger="strata.platform.cpu_decode_step"):
             outs = llm.generate(prompts, sp, use_tqdm=False)
-        assert "eager" not in caplog.text  # every layer ran fused (cpu_decode_step logs the others)
+        if fused == "1":  # every layer ran fused (cpu_decode_step logs the others)
+            assert "no layer runs fused" not in caplog.text and "run eagerly" not in caplog.text, caplog.text
         runs.append([(list(o.outputs[0].token_ids), [lp[t] for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
                      for o in outs])
     engine_clean(llm)
