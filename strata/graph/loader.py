@@ -308,12 +308,14 @@ def load_model(
     cfg = ModelConfig.from_file(path / "config.json")
     ggufs = gguf_files(path)
     files = ggufs or weight_files(path)
-    check_weights_fit(cfg, dtype, device, max_positions, path, storage, group_size)
+    scheme = None if ggufs else prequantized.scheme_of(json.loads((path / "config.json").read_text()), path)
+    fit_storage = storage or (scheme.storage if scheme is not None else None)
+    check_weights_fit(cfg, dtype, device, max_positions, path, fit_storage,
+                      scheme.group_size if scheme is not None and scheme.group_size in (32, 64, 128) else group_size)
     with torch.device("meta"):
         model = CausalLM(cfg, max_positions)
     model = model.to(dtype)
     model.tie_weights()
-    scheme = None if ggufs else prequantized.scheme_of(json.loads((path / "config.json").read_text()), path)
     if scheme is not None and scheme.method != "fp8":  # the checkpoint's own layouts, exactly
         if storage not in (None, scheme.storage):
             raise ModelLoadError(f"{path}: the checkpoint is already quantized ({scheme.describe()}); "

@@ -49,6 +49,7 @@ comm --world-size N` fitted here (SHM, gloo, NCCL; stored in the hardware profil
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 from dataclasses import dataclass, field
@@ -61,6 +62,7 @@ from strata.config import DTYPES, EngineConfig, engine_default
 from strata.demo.random_models import SHAPES
 from strata.engine.build import kv_dtype, resolve_dtype
 from strata.errors import CapacityError, ConfigError
+from strata.graph import prequantized
 from strata.graph.gguf_model import default_storage, derived_dir
 from strata.graph.loader import STAGING_BYTES
 from strata.hardware import probe as hw_probe
@@ -139,6 +141,15 @@ def resolve_model(spec: str) -> tuple[ModelConfig, str]:
             f"--model {spec!r}: not a directory, config.json or shape name; shapes: {', '.join(SHAPES)}"
         )
     return ModelConfig.from_file(path), str(spec)
+
+
+def _prequantized_scheme(spec: str):
+    """The quantization scheme of a model directory's config.json (graph/prequantized.py), or None."""
+    path = Path(spec).expanduser()
+    config = path / "config.json" if path.is_dir() else path
+    if config.name != "config.json" or not config.is_file():
+        return None
+    return prequantized.scheme_of(json.loads(config.read_text()), path)
 
 
 def activation_bytes(cfg: ModelConfig, itemsize: int, tokens: int, rows: int, tp: int = 1) -> int:
@@ -354,6 +365,11 @@ def build_plan(req: PlanRequest, profile=None, overhead=None) -> Plan:
         method, group, why = default_storage(derived)
         req = dataclasses.replace(req, quantization=method, group_size=group or req.group_size)
         notes.append(why)
+    scheme = _prequantized_scheme(req.model) if derived is None else None
+    if scheme is not None and req.quantization is None:  # AWQ / GPTQ / ...: served in its own storage
+        group = scheme.group_size if scheme.group_size in (32, 64, 128) else req.group_size
+        req = dataclasses.replace(req, quantization=scheme.storage, group_size=group)
+        notes.append(f"prequantized checkpoint: {scheme.describe()}, served as {scheme.storage}")
     if is_this:
         if profile is None:
             where = "cuda:0" if torch.cuda.is_available() else "cpu"
