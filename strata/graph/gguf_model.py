@@ -196,7 +196,7 @@ def find_gguf(directory: Path) -> Path | None:
         return None
     if len(models) > 1:
         raise ModelLoadError(f"{directory}: holds {len(models)} GGUF models ({', '.join(p.name for p in models)}); "
-                             "pass --model with the one file to load")
+                             f"pass --model with the one file to load, or {directory}:TYPE (e.g. :Q4_K_M)")
     return models[0]
 
 

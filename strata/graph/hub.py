@@ -30,6 +30,51 @@ _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 _TRUE = ("1", "true", "yes", "on")
 
 
+# vLLM's `repo_id:quant_type` / llama.cpp's `-hf repo:quant`: a GGUF by its quantization type
+_GGUF_QUANT = re.compile(r"(?i)(?:I?Q\d(?:_[A-Z0-9]+)*|F16|F32|BF16|TQ\d_\d|MXFP4)")
+
+
+def split_gguf_quant(model: str) -> tuple[str, str | None]:
+    """'PATH_OR_ID:Q4_K_M' -> ('PATH_OR_ID', 'Q4_K_M'); anything else (an existing path with a
+    colon included) -> (model, None)."""
+    head, colon, tail = model.rpartition(":")
+    if not colon or not head or not _GGUF_QUANT.fullmatch(tail) or Path(model).expanduser().exists():
+        return model, None
+    return head, tail
+
+
+def _gguf_patterns(quant: str) -> list[str]:
+    """Hub file patterns of one quantization's GGUF files (names carry it in either case)."""
+    return sorted({f"*{q}*.gguf" for q in (quant, quant.upper(), quant.lower())} |
+                  {f"*/*{q}*.gguf" for q in (quant, quant.upper(), quant.lower())})
+
+
+def pick_gguf(directory: Path, quant: str, shown: str) -> Path:
+    """The GGUF model file of quantization `quant` in `directory` (or one level down, as GGUF repos
+    keep big splits in a folder per type): the first part of a split; none or several is an error
+    naming what is there."""
+    pattern = re.compile(rf"(?i)(?:^|[-_.]){re.escape(quant)}(?:[-_.]|$)")
+    files = sorted(p for p in [*directory.glob("*.gguf"), *directory.glob("*/*.gguf")] if p.is_file())
+    models = [p for p in files if "-of-" not in p.name or "-00001-of-" in p.name]
+    found = [p for p in models if pattern.search(p.name.split("-00001-of-")[0].removesuffix(".gguf"))]
+    if len(found) == 1:
+        return found[0]
+    have = ", ".join(p.name for p in models) or "no GGUF files"
+    if not found:
+        raise ModelLoadError(f"{shown}: no {quant} GGUF file in {directory} (it has {have}); pick one of those types")
+    raise ModelLoadError(f"{shown}: {len(found)} GGUF files match {quant} ({', '.join(p.name for p in found)}); "
+                         "pass --model with the one file")
+
+
+def local_model(spec: str) -> Path | None:
+    """A local --model (a directory, a .gguf file, DIR:QUANT) as resolve_model gives it, without
+    the Hub; None when it names nothing local."""
+    name, quant = split_gguf_quant(spec)
+    if not Path(name).expanduser().exists():
+        return None
+    return resolve_model(spec)
+
+
 def split_revision(model: str) -> tuple[str, str | None]:
     """'ORG/NAME@rev' -> ('ORG/NAME', 'rev'); without '@', revision None."""
     name, at, rev = model.partition("@")
@@ -69,10 +114,16 @@ def _missing(path: Path) -> str | None:
 def resolve_model(model: str, revision: str | None = None, download_dir: str | None = None) -> Path:
     """A model directory for `model`: a local path as it is, else a Hub id's cached (or freshly
     downloaded) snapshot. Every failure is one ModelLoadError naming the id, the cache and the fix."""
+    from strata.graph.gguf_model import derived_dir
+
+    model, quant = split_gguf_quant(model)
     local = Path(model).expanduser()
     if local.exists():
-        from strata.graph.gguf_model import derived_dir
-
+        if quant is not None:
+            if not local.is_dir():
+                raise ModelLoadError(f"{model}:{quant}: a quantization type picks a GGUF file in a directory; "
+                                     f"{model} is a file: pass it alone")
+            return derived_dir(pick_gguf(local, quant, f"{model}:{quant}"))
         return derived_dir(local) or local
     if not is_hub_id(model):
         raise ModelLoadError(
@@ -85,6 +136,9 @@ def resolve_model(model: str, revision: str | None = None, download_dir: str | N
     revision = at_rev or revision
     shown = repo_id + (f"@{revision}" if revision else "")
     cache = hub_cache_dir(download_dir)
+    if quant is not None:
+        return derived_dir(pick_gguf(_gguf_snapshot(repo_id, revision, cache, quant, shown), quant,
+                                     f"{shown}:{quant}"))
     path = _cached(repo_id, revision, cache)
     if path is not None:
         lacks = _missing(path)
@@ -113,6 +167,32 @@ def resolve_model(model: str, revision: str | None = None, download_dir: str | N
     return path
 
 
+def _gguf_snapshot(repo_id: str, revision: str | None, cache: Path, quant: str, shown: str) -> Path:
+    """The snapshot directory holding repo_id's `quant` GGUF files: cached, else downloaded (only
+    those files) unless HF_HUB_OFFLINE."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    patterns = _gguf_patterns(quant)
+    cached = ""
+    try:
+        path = Path(snapshot_download(repo_id, revision=revision, cache_dir=cache, local_files_only=True,
+                                      allow_patterns=patterns))
+        try:
+            pick_gguf(path, quant, shown)
+            return path
+        except ModelLoadError:
+            names = sorted(p.name for p in [*path.glob("*.gguf"), *path.glob("*/*.gguf")])
+            cached = f" (cached: {', '.join(names)})" if names else ""
+    except LocalEntryNotFoundError:
+        pass
+    if hub_offline():
+        raise ModelLoadError(f"{shown}:{quant}: no {quant} GGUF of it in the Hugging Face cache {cache}{cached} "
+                             f"and HF_HUB_OFFLINE is set; download it once (`hf download {repo_id} --include "
+                             f"'{patterns[0]}'`) or unset HF_HUB_OFFLINE")
+    return _download(repo_id, revision, cache, shown, patterns)
+
+
 def _cached(repo_id: str, revision: str | None, cache: Path) -> Path | None:
     """The cached snapshot of repo_id at revision (branch, tag or commit), without network, or None."""
     from huggingface_hub import snapshot_download
@@ -128,7 +208,7 @@ def _cached(repo_id: str, revision: str | None, cache: Path) -> Path | None:
         return None
 
 
-def _download(repo_id: str, revision: str | None, cache: Path, shown: str) -> Path:
+def _download(repo_id: str, revision: str | None, cache: Path, shown: str, patterns: list[str] | None = None) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
@@ -140,7 +220,8 @@ def _download(repo_id: str, revision: str | None, cache: Path, shown: str) -> Pa
 
     where = f"not in the Hugging Face cache {cache}"
     try:
-        return Path(snapshot_download(repo_id, revision=revision, cache_dir=cache, allow_patterns=list(HUB_FILES)))
+        return Path(snapshot_download(repo_id, revision=revision, cache_dir=cache,
+                                      allow_patterns=patterns or list(HUB_FILES)))
     except GatedRepoError:
         problem = "is gated: accept its licence on huggingface.co and set HF_TOKEN"
     except RevisionNotFoundError:

@@ -63,7 +63,8 @@ from strata.demo.random_models import SHAPES
 from strata.engine.build import kv_dtype, resolve_dtype
 from strata.errors import CapacityError, ConfigError
 from strata.graph import prequantized
-from strata.graph.gguf_model import default_storage, derived_dir
+from strata.graph.gguf_model import default_storage, gguf_files
+from strata.graph.hub import local_model
 from strata.graph.loader import STAGING_BYTES
 from strata.hardware import probe as hw_probe
 from strata.hardware.specs import AcceleratorSpec, lookup, parse_hardware
@@ -132,8 +133,7 @@ def resolve_model(spec: str) -> tuple[ModelConfig, str]:
     checkpoint dtype is the one random_models writes it in: bf16 for the 1-8B shapes, fp32 else."""
     if spec in SHAPES:
         return ModelConfig.from_dict({"torch_dtype": "float32", **SHAPES[spec]}, spec), spec
-    path = Path(spec).expanduser()
-    path = (derived_dir(path) if path.exists() else None) or path  # a GGUF: its derived directory
+    path = local_model(spec) or Path(spec).expanduser()  # a GGUF (or DIR:QUANT): its derived directory
     if path.is_dir():
         path = path / "config.json"
     if not path.exists():
@@ -360,7 +360,8 @@ def build_plan(req: PlanRequest, profile=None, overhead=None) -> Plan:
     hw_name, count = parse_hardware(req.hardware)
     is_this = hw_name.lower() == "this"
     notes: list[str] = []
-    derived = derived_dir(Path(req.model).expanduser()) if Path(req.model).expanduser().exists() else None
+    local = local_model(req.model)
+    derived = local if local is not None and gguf_files(local) is not None else None
     if derived is not None and req.quantization is None:  # as the engine serves the file (engine/build.py)
         method, group, why = default_storage(derived)
         req = dataclasses.replace(req, quantization=method, group_size=group or req.group_size)

@@ -283,3 +283,40 @@ def test_group_32_layouts_decode_fused_as_eager(tiny_models, wide_llama, tmp_pat
     for (ta, la), (tb, lb) in zip(*runs):
         assert ta == tb
         assert max(abs(getattr(a, "logprob", a) - getattr(b, "logprob", b)) for a, b in zip(la, lb)) <= 1e-5
+
+
+def test_a_quantization_type_picks_the_gguf_in_a_directory(tiny_models, tmp_path, monkeypatch):
+    """`--model DIR:Q4_0` (vLLM's repo:quant_type form) picks that type's file among several, in
+    either case; none or a bare directory of several is one error naming the files."""
+    from strata.errors import ModelLoadError
+
+    tiny = tiny_models["llama"]
+    repo = tmp_path / "Tiny-GGUF"
+    repo.mkdir()
+    write_gguf(tiny.hf, repo / "tiny-Q8_0.gguf", T.Q8_0)
+    write_gguf(tiny.hf, repo / "tiny-Q4_0.gguf", T.Q4_0)
+    for spec, want in ((f"{repo}:Q4_0", ("int4", 32, False)), (f"{repo}:q8_0", ("int8", 32, False))):
+        m = load_model(check_model_dir(spec), torch.float32, "cpu", 256, "int4", 32)
+        assert _layout(m.layers[0].mlp.down_proj) == want
+    with pytest.raises(ModelLoadError, match=r"no Q5_K GGUF file .*tiny-Q4_0.gguf, tiny-Q8_0.gguf"):
+        check_model_dir(f"{repo}:Q5_K")
+    with pytest.raises(ModelLoadError, match=r"holds 2 GGUF models.*:TYPE"):
+        check_model_dir(repo)
+
+
+def test_a_hub_gguf_repo_by_quantization_type(tiny_models, tmp_path, monkeypatch):
+    """ORG/NAME:Q8_0 from the Hugging Face cache (offline): that file's snapshot, no config.json needed."""
+    from strata.errors import ModelLoadError
+    from tests.graph.test_hub import COMMIT_MAIN, add_snapshot
+
+    src = tmp_path / "src"
+    src.mkdir()
+    write_gguf(tiny_models["qwen2"].hf, src / "Tiny-Q8_0.gguf", T.Q8_0)
+    cache = tmp_path / "hf" / "hub"
+    add_snapshot(cache, "org/Tiny-GGUF", COMMIT_MAIN, src, refs=("main",))
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    m = load_model(check_model_dir("org/Tiny-GGUF:Q8_0"), torch.float32, "cpu", 256, "int8")
+    assert _layout(m.layers[0].mlp.down_proj) == ("int8", 32, False)
+    with pytest.raises(ModelLoadError, match=r"org/Tiny-GGUF:Q4_K_M: no Q4_K_M GGUF of it in the Hugging Face cache"):
+        check_model_dir("org/Tiny-GGUF:Q4_K_M")
