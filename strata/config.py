@@ -109,6 +109,7 @@ class EngineConfig:
     prompt_lookup_max: int = 4  # n-gram sizes prompt lookup matches, longest first
     prompt_lookup_min: int = 2
     chat_template: str | None = None  # a Jinja template, or a file holding one; None = the checkpoint's
+    tokenizer: str | None = None  # a directory with tokenizer.json to use instead of the model's
     # sampling defaults: auto = the model's generation_config.json, vllm = none (vLLM's name), or a directory
     generation_config: str = "auto"
 

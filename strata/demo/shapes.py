@@ -43,6 +43,13 @@ SHAPES: dict[str, dict] = {
         "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
         "bos_token_id": 128000, "eos_token_id": 128001,
     },
+    "qwen2.5-1.5b": {  # Qwen/Qwen2.5-1.5B: the 1.5B Q4_K_M GGUF people fetch first
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "torch_dtype": "bfloat16",
+        "hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28,
+        "num_attention_heads": 12, "num_key_value_heads": 2, "vocab_size": 151936,
+        "tie_word_embeddings": True, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 32768, "bos_token_id": 151643, "eos_token_id": 151643,
+    },
     "llama-3.2-3b": {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "torch_dtype": "bfloat16",
         "hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 28,

@@ -99,6 +99,9 @@ FLAGS: tuple[_Flag, ...] = (
     _Flag("comm_timeout", "seconds a collective may take before a rank counts as dead", type=float),
     _Flag("chat_template", "FILE|STRING: a Jinja chat template (a file, or the template text) that replaces "
           "the checkpoint's", default_text="the checkpoint's tokenizer_config.json / chat_template.jinja"),
+    _Flag("tokenizer", "DIR: the tokenizer (tokenizer.json, tokenizer_config.json) to use instead of the "
+          "model's; for a GGUF, vLLM's habit of passing the base model's: its vocabulary must be the file's "
+          "(checked token for token)", default_text="the model's own"),
     _Flag("generation_config", "sampling defaults: auto = the model's generation_config.json, vllm = none "
           "(vLLM's name; requests and flags alone decide), or a directory holding a generation_config.json"),
 )

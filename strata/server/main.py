@@ -20,6 +20,7 @@ import os
 import signal
 import socket
 import time
+from pathlib import Path
 
 import uvicorn
 
@@ -27,8 +28,10 @@ from strata import cli_options
 from strata.config import EngineConfig
 from strata.demo.model import demo_model_path
 from strata.engine.args import EngineArgs
+from strata.engine.build import tokenizer_dir
 from strata.errors import StrataError
 from strata.hardware.cores import server_layout
+from strata.model_config import ModelConfig
 from strata.protocol.tokenizer import Tokenizer
 from strata.server import faults, procs, routes_ops
 from strata.server.app import ServerOptions, ServerState, build_app
@@ -129,9 +132,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         model_path = str(demo_model_path())
     else:
         model_path = str(model)
-    if not os.path.isfile(os.path.join(model_path, "tokenizer.json")):
+    if kwargs.get("tokenizer"):  # --tokenizer DIR: the front end's and the workers' tokenizer too
+        cfg = ModelConfig.from_file(os.path.join(model_path, "config.json"))
+        model_path_for_text = str(tokenizer_dir(Path(model_path), kwargs["tokenizer"], cfg.vocab_size))
+    else:
+        model_path_for_text = model_path
+    if not os.path.isfile(os.path.join(model_path_for_text, "tokenizer.json")):
         raise StrataError(f"{model_path} has no tokenizer.json; the server needs one to read and write text "
-                          "(copy the model's tokenizer files into that directory)")
+                          "(copy the model's tokenizer files into that directory, or pass --tokenizer DIR)")
     opts.served_model_name = (opts.served_model_name or args.random_model or engine_args.hub_id()
                               or os.path.basename(os.path.normpath(model_path)))
     sock = None if faults.skip_port_check() else procs.listen_socket(args.host, args.port)
@@ -141,7 +149,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             logger.info("removed %s (its server is gone)", d)
         ipc = procs.IpcDir()
         logger.info("layout: %s", layout.describe())
-        return asyncio.run(_serve(args, kwargs, model_path, opts, layout, sock, ipc))
+        return asyncio.run(_serve(args, kwargs, model_path, opts, layout, sock, ipc, model_path_for_text))
     finally:
         if sock is not None:
             sock.close()
@@ -177,7 +185,8 @@ async def _first(**aws) -> str:
     return first
 
 
-async def _serve(args, kwargs: dict, model_path: str, opts: ServerOptions, layout, sock, ipc: procs.IpcDir) -> int:
+async def _serve(args, kwargs: dict, model_path: str, opts: ServerOptions, layout, sock, ipc: procs.IpcDir,
+                 tokenizer_path: str) -> int:
 
     loop = asyncio.get_running_loop()
     stop, force, signals = asyncio.Event(), asyncio.Event(), []
@@ -189,7 +198,7 @@ async def _serve(args, kwargs: dict, model_path: str, opts: ServerOptions, layou
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
     state = ServerState(options=opts, metrics=Metrics(opts.served_model_name))
-    state.tokenizer = Tokenizer.from_dir(model_path, chat_template=kwargs.get("chat_template"))
+    state.tokenizer = Tokenizer.from_dir(tokenizer_path, chat_template=kwargs.get("chat_template"))
     app = build_app(state)
     routes_ops.install(app, state)
     gpus = gpu_device_checks(kwargs, state.metrics)  # before the engine starts: kernel image, PCIe link
@@ -208,7 +217,7 @@ async def _serve(args, kwargs: dict, model_path: str, opts: ServerOptions, layou
         state.engine.on_stats = state.metrics.on_engine_stats
         state.engine.on_done = state.metrics.on_engine_done
         if layout.tokenizer_workers > 0:
-            state.tokenizers = TokenizerPool(model_path, layout.tokenizer_workers, ipc, layout.tokenizer_cpus,
+            state.tokenizers = TokenizerPool(tokenizer_path, layout.tokenizer_workers, ipc, layout.tokenizer_cpus,
                                              chat_template=kwargs.get("chat_template"))
         else:
             state.tokenizers = InLoopTokenizer(state.tokenizer)
