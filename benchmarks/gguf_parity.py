@@ -2,6 +2,12 @@
 
 usage: python benchmarks/gguf_parity.py FILE.gguf --llama-server PATH [--prompts 20] [--tokens 64]
        [--text FILE --tokenizer DIR] [-- llama-server flags]
+       python benchmarks/gguf_parity.py FILE.gguf --llama-server PATH --tokenize TEXT_FILE
+
+--tokenize: no generation; every paragraph of TEXT_FILE encoded by the tokenizer Strata derives
+from the GGUF's metadata and by llama-server's /tokenize (llama.cpp's own tokenizer, as
+llama-tokenize runs it), with and without the BOS rule; prints the paragraphs equal and the first
+that is not.
 
 Prompts are token ids (random ids 300-4000, seeded), or with --text the first 300 characters of
 every 7th paragraph of FILE, encoded by DIR's tokenizer.json; both engines get the same ids, 64
@@ -35,24 +41,58 @@ def _prompts(args) -> list[list[int]]:
 
 
 def _llama_tokens(args, prompts: list[list[int]]) -> list[list[int]]:
-    server = subprocess.Popen([args.llama_server, "-m", args.model, "--port", str(PORT), "--host", "127.0.0.1",
-                               "-t", "2", "-c", "2048", "-np", "1", *args.server_args],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = _server(args)
     try:
-        for _ in range(120):
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{PORT}/health", timeout=2)
-                break
-            except OSError:
-                time.sleep(1)
         out = []
         for ids in prompts:
             body = {"prompt": ids, "n_predict": args.tokens, "temperature": 0, "top_k": 1, "cache_prompt": False,
                     "return_tokens": True, "ignore_eos": True, "samplers": ["top_k"]}
-            req = urllib.request.Request(f"http://127.0.0.1:{PORT}/completion", data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
-            out.append(json.load(urllib.request.urlopen(req, timeout=300))["tokens"])
+            out.append(_post("/completion", body)["tokens"])
         return out
+    finally:
+        server.terminate()
+        server.wait(10)
+
+
+def _server(args):
+    server = subprocess.Popen([args.llama_server, "-m", args.model, "--port", str(PORT), "--host", "127.0.0.1",
+                               "-t", "2", "-c", "2048", "-np", "1", *args.server_args],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for _ in range(120):
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{PORT}/health", timeout=2)
+            break
+        except OSError:
+            time.sleep(1)
+    return server
+
+
+def _post(path: str, body: dict) -> dict:
+    req = urllib.request.Request(f"http://127.0.0.1:{PORT}{path}", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    return json.load(urllib.request.urlopen(req, timeout=300))
+
+
+def _tokenize(args) -> None:
+    from strata.graph.hub import check_model_dir
+    from strata.protocol.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(check_model_dir(args.model))
+    paras = [p for p in Path(args.tokenize).read_text(encoding="utf-8").split("\n\n") if p.strip()]
+    server = _server(args)
+    try:
+        for special in (False, True):
+            same, first = 0, None
+            for k, text in enumerate(paras):
+                theirs = _post("/tokenize", {"content": text, "add_special": special})["tokens"]
+                ours = tok.encode(text, add_special_tokens=special)
+                if ours == theirs:
+                    same += 1
+                elif first is None:
+                    at = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+                    first = f"paragraph {k}, token {at}: {ours[at:at + 3]} vs llama.cpp {theirs[at:at + 3]}"
+            print(f"{Path(args.model).name} {'with' if special else 'without'} special tokens: {same}/{len(paras)} "
+                  f"paragraphs of {Path(args.tokenize).name} encode as llama.cpp's" + (f"; first difference {first}" if first else ""))
     finally:
         server.terminate()
         server.wait(10)
@@ -66,8 +106,11 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--text")
     ap.add_argument("--tokenizer")
+    ap.add_argument("--tokenize", metavar="TEXT_FILE", help="compare tokenizations instead of generations")
     ap.add_argument("server_args", nargs="*")
     args = ap.parse_args()
+    if args.tokenize:
+        return _tokenize(args)
     if args.text and not args.tokenizer:
         ap.error("--text needs --tokenizer DIR (the directory holding tokenizer.json)")
     prompts = _prompts(args)
