@@ -39,7 +39,10 @@ from strata.memory.quant import Layout
 logger = logging.getLogger(__name__)
 
 POINTER = "strata_gguf.json"  # in a derived directory: the GGUF files that hold its weights
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "phi3": "Phi3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+# architectures whose norm weights the converter stored as 1 + w (Gemma's RMSNorm scales by 1 + w)
+NORM_SHIFT = {"Gemma3ForCausalLM": 1.0}
 # the (HF) architectures whose q/k rows llama.cpp's converter permutes (its LlamaModel: GGUF "llama")
 PERMUTED_QK = ("LlamaForCausalLM", "MistralForCausalLM")
 
@@ -54,17 +57,30 @@ _LAYER = {
     "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# the architectures whose layer tensors differ from Llama's names (by HF architecture)
+_LAYER_BY_ARCH = {
+    # Phi-3 / Phi-4-mini: q/k/v and gate/up stay fused, as in their HF checkpoints
+    "Phi3ForCausalLM": {"attn_qkv.weight": "self_attn.qkv_proj.weight", "ffn_up.weight": "mlp.gate_up_proj.weight"},
+    # Gemma 3: a norm after attention and around the MLP (llama.cpp's ffn_norm is its pre-MLP norm)
+    "Gemma3ForCausalLM": {"post_attention_norm.weight": "post_attention_layernorm.weight",
+                          "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+                          "post_ffw_norm.weight": "post_feedforward_layernorm.weight"},
+}
 _GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
            "output.weight": "lm_head.weight"}
+# tensors the config is made of (read by gguf_model_dir), never weights
+CONFIG_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 
 
-def hf_name(name: str) -> str | None:
+def hf_name(name: str, architecture: str = "LlamaForCausalLM") -> str | None:
     """The HF checkpoint name of a llama.cpp tensor name (None: not one the loader fills)."""
     if name in _GLOBAL:
         return _GLOBAL[name]
     parts = name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER:
-        return f"model.layers.{parts[1]}.{_LAYER[parts[2]]}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit():
+        layer = {**_LAYER, **_LAYER_BY_ARCH.get(architecture, {})}
+        if parts[2] in layer:
+            return f"model.layers.{parts[1]}.{layer[parts[2]]}"
     return None
 
 
@@ -109,8 +125,43 @@ def _llama3_rope(freqs: np.ndarray, theta: float, rotary_dim: int, source: str) 
                          "rope_scaling Strata knows; load the original safetensors checkpoint instead")
 
 
+def _phi3(meta: dict[str, Any], cfg: dict[str, Any], factors: dict[str, np.ndarray], source: str) -> None:
+    """Phi-3 / Phi-4-mini fields: partial rotary, the sliding window (0: none), longrope factors."""
+    head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+    rotary = _get(meta, "phi3.rope.dimension_count", source, int, head_dim)
+    if rotary != head_dim:
+        cfg["partial_rotary_factor"] = rotary / head_dim
+    window = _get(meta, "phi3.attention.sliding_window", source, int, 0)
+    cfg["sliding_window"] = window or None
+    cfg["original_max_position_embeddings"] = _get(meta, "phi3.rope.scaling.original_context_length", source, int,
+                                                   cfg["max_position_embeddings"])
+    if factors:
+        if set(factors) != {"rope_factors_long.weight", "rope_factors_short.weight"}:
+            raise ModelLoadError(f"{source}: GGUF has {', '.join(factors)} but not both longrope factor tensors")
+        cfg["rope_scaling"] = {"rope_type": "longrope",
+                               "long_factor": [float(str(np.float32(v))) for v in factors["rope_factors_long.weight"]],
+                               "short_factor": [float(str(np.float32(v))) for v in factors["rope_factors_short.weight"]]}
+
+
+def _gemma3(meta: dict[str, Any], cfg: dict[str, Any], source: str) -> None:
+    """Gemma 3 fields as llama.cpp reads them: the sliding window (every 6th layer global unless the
+    file says), the local layers' rotary base 10000, attention scaled by head_dim^-0.5 but by
+    (hidden / heads)^-0.5 in the 62-layer (27B) model, optional final logit soft-capping."""
+    cfg["model_type"] = "gemma3_text"
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    cfg["head_dim"] = head_dim
+    cfg["sliding_window"] = _get(meta, "gemma3.attention.sliding_window", source, int)
+    cfg["sliding_window_pattern"] = _get(meta, "gemma3.attention.sliding_window_pattern", source, int, 6)
+    cfg["rope_local_base_freq"] = 10000.0
+    wide = cfg["num_hidden_layers"] == 62
+    cfg["query_pre_attn_scalar"] = float(cfg["hidden_size"] // cfg["num_attention_heads"] if wide else head_dim)
+    cap = _get(meta, "gemma3.final_logit_softcapping", source, (int, float), None)
+    cfg["final_logit_softcapping"] = None if cap is None else float(cap)
+    cfg["hidden_activation"] = "gelu_pytorch_tanh"
+
+
 def hf_config(meta: dict[str, Any], tensors: dict[str, TensorInfo], rope_freqs: np.ndarray | None,
-              source: str) -> dict[str, Any]:
+              source: str, factors: dict[str, np.ndarray] | None = None) -> dict[str, Any]:
     """An HF config.json dict for the GGUF metadata (ModelConfig.from_dict then checks it)."""
     arch = _get(meta, "general.architecture", source, str)
     if arch not in ARCHITECTURES:
@@ -156,12 +207,16 @@ def hf_config(meta: dict[str, Any], tensors: dict[str, TensorInfo], rope_freqs: 
     if rope_freqs is not None:
         rotary = meta.get(a + "rope.dimension_count") or cfg.get("head_dim") or hidden // heads
         cfg["rope_scaling"] = _llama3_rope(rope_freqs, cfg["rope_theta"], rotary, source)
+    if arch == "phi3":
+        _phi3(meta, cfg, factors or {}, source)
+    elif arch == "gemma3":
+        _gemma3(meta, cfg, source)
     return cfg
 
 
 # Part of a derived directory's key: bump it when what gguf_model_dir writes changes, so a
 # directory written by an older Strata is not reused.
-DERIVED_VERSION = 3
+DERIVED_VERSION = 4
 
 
 def _key(files: list[Path]) -> str:
@@ -211,14 +266,16 @@ def gguf_model_dir(path: Path) -> Path:
     source = str(path)
     if "token_embd.weight" not in tensors:
         raise ModelLoadError(f"{source}: GGUF has no 'token_embd.weight' tensor; not a complete model")
-    rope_freqs = None
-    if "rope_freqs.weight" in tensors:
-        info = tensors["rope_freqs.weight"]
-        if info.type.name != "F32":
-            raise ModelLoadError(f"{source}: rope_freqs.weight is {info.type.name}, expected F32")
-        with GGUFFile(info.path) as g:
-            rope_freqs = g.read(info, 0, 1).view(np.float32).reshape(-1).astype(np.float64)
-    config = hf_config(metadata, tensors, rope_freqs, source)
+    vectors = {}
+    for name in CONFIG_TENSORS:
+        if name in tensors:
+            info = tensors[name]
+            if info.type.name != "F32" or len(info.shape) != 1:
+                raise ModelLoadError(f"{source}: {name} is {info.type.name} {list(info.shape)}, expected a 1-D F32 vector")
+            with GGUFFile(info.path) as g:
+                vectors[name] = g.read(info, 0, 1).view(np.float32).reshape(-1).astype(np.float64)
+    rope_freqs = vectors.pop("rope_freqs.weight", None)
+    config = hf_config(metadata, tensors, rope_freqs, source, vectors)
     files_text = {}
     if "tokenizer.ggml.model" in metadata:
         from strata.protocol.gguf_tokenizer import tokenizer_files  # only a GGUF load needs it
@@ -326,9 +383,10 @@ def gguf_formats(directory: Path, tied: bool, storage: str | None) -> dict[str, 
     if storage not in ("int8", "int4"):
         return {}
     types = json.loads((directory / POINTER).read_text()).get("tensor_types") or {}
+    architecture = (json.loads((directory / "config.json").read_text()).get("architectures") or ["?"])[0]
     kinds: dict[str, set[str]] = {}
     for name, kind in types.items():
-        hf = hf_name(name)
+        hf = hf_name(name, architecture)
         module = _module_of(hf, tied) if hf else None
         if module:
             kinds.setdefault(module, set()).add(kind)

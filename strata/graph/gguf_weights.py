@@ -117,12 +117,16 @@ def _blocks_into(kind: T, raw: np.ndarray, module: QuantLinear, rows: slice) -> 
         module.scale[rows].copy_(torch.from_numpy(scale))
 
 
-def fill(g: GGUFFile, info: TensorInfo, module, attr: str, rows: slice | None, permute_heads: int | None) -> None:
+def fill(g: GGUFFile, info: TensorInfo, module, attr: str, rows: slice | None, permute_heads: int | None,
+         shift: float = 0.0) -> None:
     """Read GGUF tensor `info` into `module.attr` (rows `rows` of a fused weight; None: whole).
-    permute_heads: the head count whose q/k row permutation to undo (None: stored in HF order)."""
+    permute_heads: the head count whose q/k row permutation to undo (None: stored in HF order).
+    shift: subtracted from a 1-D tensor (Gemma's norms, stored by the converter as 1 + w)."""
     check_type(info)
     if len(info.shape) == 1:  # a norm or a bias: whole, in its own dtype
         values = rows_as_float(info, g.read(info, 0, 1)).reshape(-1)
+        if shift:
+            values = values.float() - shift
         if permute_heads is not None:
             values = values[torch.from_numpy(unpermute_rows(values.shape[0], permute_heads))]
         param = getattr(module, attr)

@@ -24,7 +24,14 @@ from torch import nn
 from strata.errors import ModelLoadError
 from strata.graph import prequantized
 from strata.graph.gguf_file import GGUFFile
-from strata.graph.gguf_model import PERMUTED_QK, gguf_files, gguf_formats, hf_name
+from strata.graph.gguf_model import (
+    CONFIG_TENSORS,
+    NORM_SHIFT,
+    PERMUTED_QK,
+    gguf_files,
+    gguf_formats,
+    hf_name,
+)
 from strata.graph.gguf_weights import fill as gguf_fill
 from strata.graph.hub import check_model_dir
 from strata.graph.models.llama import CausalLM
@@ -276,10 +283,10 @@ def _fill_from_gguf(files: list[Path], targets: dict[str, _Target], cfg: ModelCo
     for file in files:
         with GGUFFile(file) as g:
             for name, info in g.tensors.items():
-                hf = hf_name(name)
+                hf = hf_name(name, cfg.architecture)
                 target = targets.get(hf) if hf else None
                 if target is None:
-                    if name != "rope_freqs.weight":  # read into config.json's rope_scaling already
+                    if name not in CONFIG_TENSORS:  # read into config.json's rope_scaling already
                         ignored.append(name)
                     continue
                 if info.shape != target.shape:
@@ -292,7 +299,8 @@ def _fill_from_gguf(files: list[Path], targets: dict[str, _Target], cfg: ModelCo
                     heads = cfg.num_heads
                 elif permuted and hf.endswith(("k_proj.weight", "k_proj.bias")):
                     heads = cfg.num_kv_heads
-                gguf_fill(g, info, target.module, target.attr, target.rows, heads)
+                shift = NORM_SHIFT.get(cfg.architecture, 0.0) if name.endswith("norm.weight") else 0.0
+                gguf_fill(g, info, target.module, target.attr, target.rows, heads, shift)
                 loaded.add(hf)
 
 

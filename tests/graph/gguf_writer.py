@@ -13,7 +13,11 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-        "Qwen3ForCausalLM": "qwen3"}
+        "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3", "Gemma3ForCausalLM": "gemma3"}
+# Gemma 3's norms (llama.cpp's names; their weights stored as 1 + w, as the converter's norm_shift)
+_GEMMA3 = {"post_attention_layernorm.weight": "post_attention_norm.weight",
+           "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+           "post_feedforward_layernorm.weight": "post_ffw_norm.weight"}
 _LAYER = {
     "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
     "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
@@ -23,6 +27,7 @@ _LAYER = {
     "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
     "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+    "self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight",  # Phi-3's, fused
 }
 
 
@@ -31,7 +36,10 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _gguf_name(hf: str) -> str | None:
+def _gguf_name(hf: str, arch: str = "llama") -> str | None:
+    if arch == "gemma3" and hf.split(".", 3)[-1] in _GEMMA3:
+        parts = hf.split(".", 3)
+        return f"blk.{parts[2]}.{_GEMMA3[parts[3]]}"
     if hf == "model.embed_tokens.weight":
         return "token_embd.weight"
     if hf == "model.norm.weight":
@@ -99,10 +107,12 @@ def write_gguf(hf_model, path: Path, matrix_type: T = T.F32, embed_type: T | Non
     tensors: list[tuple[str, np.ndarray, T]] = []
     reference: dict[str, torch.Tensor] = {}
     for hf, p in hf_model.state_dict().items():
-        name = _gguf_name(hf)
+        name = _gguf_name(hf, arch)
         if name is None or (hf == "lm_head.weight" and cfg.tie_word_embeddings):
             continue
         w = p.detach().float().numpy()
+        shift = 1.0 if arch == "gemma3" and name.endswith("norm.weight") else 0.0
+        w = w + np.float32(shift)
         if arch == "llama" and "q_proj" in hf:
             w = _permute(w, heads)
         elif arch == "llama" and "k_proj" in hf:
@@ -122,9 +132,12 @@ def write_gguf(hf_model, path: Path, matrix_type: T = T.F32, embed_type: T | Non
         if arch == "llama" and ("q_proj" in hf or "k_proj" in hf):  # the reference is in HF row order
             h = heads if "q_proj" in hf else kv_heads
             back = back.reshape(h, head_dim // 2, 2, *back.shape[1:]).transpose(1, 2).reshape(back.shape)
-        reference[hf] = back
+        reference[hf] = back - shift
     if _rope(cfg).get("rope_type") == "llama3":
         tensors.append(("rope_freqs.weight", _llama3_factors(cfg), T.F32))
+    if arch == "phi3" and _rope(cfg).get("long_factor"):  # longrope, as convert_hf_to_gguf.py writes it
+        tensors.append(("rope_factors_long.weight", np.array(_rope(cfg)["long_factor"], np.float32), T.F32))
+        tensors.append(("rope_factors_short.weight", np.array(_rope(cfg)["short_factor"], np.float32), T.F32))
     parts = [tensors[i::split] for i in range(split)]
     paths = [path] if split == 1 else [path.with_name(f"{path.stem}-{k + 1:05d}-of-{split:05d}.gguf") for k in range(split)]
     for k, (part, out) in enumerate(zip(parts, paths)):
@@ -137,12 +150,24 @@ def write_gguf(hf_model, path: Path, matrix_type: T = T.F32, embed_type: T | Non
             w.add_head_count(heads)
             w.add_head_count_kv(kv_heads)
             w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-            w.add_rope_freq_base(float(_rope(cfg)["rope_theta"]))
+            rope = _rope(cfg)
+            w.add_rope_freq_base(float(rope.get("full_attention", rope)["rope_theta"]))  # Gemma 3: the global layers
             w.add_key_length(head_dim)
             w.add_value_length(head_dim)
             w.add_vocab_size(cfg.vocab_size)
             w.add_bos_token_id(cfg.bos_token_id)
             w.add_eos_token_id(cfg.eos_token_id)
+            if arch == "gemma3":
+                w.add_sliding_window(cfg.sliding_window)
+                if cfg.final_logit_softcapping:
+                    w.add_final_logit_softcapping(cfg.final_logit_softcapping)
+            if arch == "phi3":
+                rope = _rope(cfg)
+                w.add_rope_dimension_count(int(rope.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0)
+                                                        or 1.0) * head_dim))
+                w.add_sliding_window(cfg.sliding_window or 0)
+                w.add_rope_scaling_orig_ctx_len(rope.get("original_max_position_embeddings")
+                                                or cfg.original_max_position_embeddings)
         if split > 1:
             w.add_uint16("split.no", k)
             w.add_uint16("split.count", split)

@@ -55,7 +55,7 @@ def test_unpermute_inverts_the_converters_permutation():
     assert (gguf_rows[unpermute_rows(rows, heads)] == hf).all()
 
 
-@pytest.mark.parametrize("family", ["llama", "llama3", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "llama3", "qwen2", "qwen3", "mistral", "phi3", "phi4mini"])
 @pytest.mark.parametrize("kind", [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0], ids=lambda t: t.name)
 def test_logits_equal_the_dequantized_reference(tiny_models, tmp_path, prompt_of, family, kind):
     tiny = tiny_models[family]
@@ -64,6 +64,37 @@ def test_logits_equal_the_dequantized_reference(tiny_models, tmp_path, prompt_of
     ids = prompt_of(1, 40)
     want = _reference_logits(tiny, reference, ids)
     torch.testing.assert_close(_strata_logits(path, ids), want, atol=ATOL, rtol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def gemma3_six(tmp_path_factory):
+    """A Gemma 3 whose hyperparameters a GGUF can say (llama.cpp's gemma3 rules): every 6th layer
+    global, attention scaled by head_dim, soft-capped logits."""
+    import transformers as tf
+
+    from tests.conftest import TinyModel, _randomise
+
+    torch.manual_seed(11)
+    cfg = tf.Gemma3TextConfig(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=32, sliding_window=8,
+                              sliding_window_pattern=6, query_pre_attn_scalar=32, final_logit_softcapping=30.0,
+                              rope_theta=1000000.0, rope_local_base_freq=10000.0, max_position_embeddings=256,
+                              pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    cfg._attn_implementation = "eager"
+    hf = tf.Gemma3ForCausalLM(cfg)
+    _randomise(hf, 11)
+    return TinyModel("gemma3-six", tmp_path_factory.mktemp("g3"), hf.float().eval(), [2], 384, 6, 2, 32)
+
+
+@pytest.mark.parametrize("kind", [T.F32, T.Q8_0, T.Q4_0], ids=lambda t: t.name)
+def test_gemma3_gguf_equals_the_dequantized_reference(gemma3_six, tmp_path, prompt_of, kind):
+    """llama.cpp's gemma3 tensors (its norm names, norms stored as 1 + w) and hyperparameters;
+    40 tokens so the 8-token window slides."""
+    path = tmp_path / "g3.gguf"
+    reference = write_gguf(gemma3_six.hf, path, kind)
+    ids = prompt_of(8, 40)
+    torch.testing.assert_close(_strata_logits(path, ids), _reference_logits(gemma3_six, reference, ids),
+                               atol=ATOL, rtol=1e-5)
 
 
 @pytest.fixture(scope="module")
