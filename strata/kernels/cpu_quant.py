@@ -536,45 +536,91 @@ if numba is not None:
                         acc += zr[g] * sums[j, g]
                     out[j, r] -= acc
 
-    @njit(cache=True)
-    def _silu_mul(full, out):  # pragma: no cover - compiled
-        half = out.shape[1]
-        for j in range(out.shape[0]):
-            for r in range(half):
-                g = full[j, r]
-                out[j, r] = g / (np.float32(1.0) + np.exp(-g)) * full[j, r + half]
+    # The zero-point kernels take the whole [out, 2, groups] scale: its rows s3[r, 0] / s3[r, 1]
+    # are C-contiguous 1-D views, where a s3[:, 0] slice is strided ("A" layout), which measured
+    # ~2x slower in these loops. Each output row: the symmetric row dot minus z . group sums.
 
-    @njit(cache=True)
+    @njit(fastmath=True, cache=True, inline="always")
+    def _zdot(zr, sums_j):  # pragma: no cover - compiled
+        acc = np.float32(0.0)
+        for g in range(zr.shape[0]):
+            acc += zr[g] * sums_j[g]
+        return acc
+
+    @njit(fastmath=True, cache=True, inline="always")
+    def _int8gz_row(w, s3, r, xq, xs, x, sums, j, vnni):  # pragma: no cover - compiled
+        if vnni:
+            return _i8g_dot_vnni(w[r], s3[r, 0], xq[j], xs[j]) - _zdot(s3[r, 1], sums[j])
+        return _i8g_dot(w[r], s3[r, 0], x[j]) - _zdot(s3[r, 1], sums[j])
+
+    @njit(parallel=True, fastmath=True, cache=True)
     def _int8gz_gemv(w, s3, x, out, vnni, threads):  # pragma: no cover - compiled
         """Grouped int8 with zero points (scale [out, 2, groups])."""
-        s = s3[:, 0]
-        if vnni:
-            _int8g_gemv_vnni(w, s, x, out, threads)
-        else:
-            _int8g_gemv(w, s, x, out, threads)
-        _sub_zero(s3[:, 1], _zero_sums(x, w.shape[1] // s.shape[1], 32 if vnni else 0), out, threads)
+        n_out = w.shape[0]
+        rows = x.shape[0]
+        xq, xs, _ = _quant_rows(x, 32)  # unused without vnni (cheap: one pass over x)
+        sums = _zero_sums(x, w.shape[1] // s3.shape[2], 32 if vnni else 0)
+        per = (n_out + threads - 1) // threads
+        for t in prange(threads):
+            for r in range(t * per, min(n_out, (t + 1) * per)):
+                for j in range(rows):
+                    out[j, r] = _int8gz_row(w, s3, r, xq, xs, x, sums, j, vnni)
 
-    @njit(cache=True)
+    @njit(parallel=True, fastmath=True, cache=True)
     def _int8gz_swiglu(w, s3, x, out, vnni, threads):  # pragma: no cover - compiled
-        full = np.empty((x.shape[0], w.shape[0]), np.float32)
-        _int8gz_gemv(w, s3, x, full, vnni, threads)
-        _silu_mul(full, out)
+        half_rows = w.shape[0] // 2
+        rows = x.shape[0]
+        xq, xs, _ = _quant_rows(x, 32)
+        sums = _zero_sums(x, w.shape[1] // s3.shape[2], 32 if vnni else 0)
+        per = (half_rows + threads - 1) // threads
+        for t in prange(threads):
+            for r in range(t * per, min(half_rows, (t + 1) * per)):
+                for j in range(rows):
+                    g = _int8gz_row(w, s3, r, xq, xs, x, sums, j, vnni)
+                    u = _int8gz_row(w, s3, r + half_rows, xq, xs, x, sums, j, vnni)
+                    out[j, r] = g / (np.float32(1.0) + np.exp(-g)) * u
 
-    @njit(cache=True)
+    @njit(fastmath=True, cache=True, inline="always")
+    def _int4z_row(w, s3, r, xq, xs, off, x, xs8, buf, sums, j, group, vnni):  # pragma: no cover - compiled
+        if vnni:
+            dot = _i4_row_vnni(w[r], s3[r, 0], xq[j], xs[j], off[j], group // 2)
+        elif x.shape[0] == 1:
+            dot = i4_dot(w[r], s3[r, 0], x[0], xs8[0], group // 2)
+        else:
+            i4_row(w[r], s3[r, 0], buf, group // 2)
+            dot = f32_dot(buf, x[j])
+        return dot - _zdot(s3[r, 1], sums[j])
+
+    @njit(parallel=True, fastmath=True, cache=True)
     def _int4z_gemv(w, s3, x, out, group, vnni, threads):  # pragma: no cover - compiled
         """int4 with zero points (scale [out, 2, groups])."""
-        s = s3[:, 0]
-        if vnni:
-            _int4_gemv_vnni(w, s, x, out, group, threads)
-        else:
-            _int4_gemv(w, s, x, out, group, threads)
-        _sub_zero(s3[:, 1], _zero_sums(x, group, group if vnni else 0), out, threads)
+        n_out = w.shape[0]
+        rows, n_in = x.shape
+        xq, xs, off = _quant_rows(x, group)
+        xs8 = _group_sums8(x, group)
+        sums = _zero_sums(x, group, group if vnni else 0)
+        per = (n_out + threads - 1) // threads
+        for t in prange(threads):
+            buf = np.empty(n_in, np.float32)
+            for r in range(t * per, min(n_out, (t + 1) * per)):
+                for j in range(rows):
+                    out[j, r] = _int4z_row(w, s3, r, xq, xs, off, x, xs8, buf, sums, j, group, vnni)
 
-    @njit(cache=True)
+    @njit(parallel=True, fastmath=True, cache=True)
     def _int4z_swiglu(w, s3, x, out, group, vnni, threads):  # pragma: no cover - compiled
-        full = np.empty((x.shape[0], w.shape[0]), np.float32)
-        _int4z_gemv(w, s3, x, full, group, vnni, threads)
-        _silu_mul(full, out)
+        half_rows = w.shape[0] // 2
+        rows, n_in = x.shape
+        xq, xs, off = _quant_rows(x, group)
+        xs8 = _group_sums8(x, group)
+        sums = _zero_sums(x, group, group if vnni else 0)
+        per = (half_rows + threads - 1) // threads
+        for t in prange(threads):
+            buf = np.empty(n_in, np.float32)
+            for r in range(t * per, min(half_rows, (t + 1) * per)):
+                for j in range(rows):
+                    g = _int4z_row(w, s3, r, xq, xs, off, x, xs8, buf, sums, j, group, vnni)
+                    u = _int4z_row(w, s3, r + half_rows, xq, xs, off, x, xs8, buf, sums, j, group, vnni)
+                    out[j, r] = g / (np.float32(1.0) + np.exp(-g)) * u
 
     @njit(cache=True)
     def _int4z_rows(w, s3, ids, out, group):  # pragma: no cover - compiled
