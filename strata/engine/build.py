@@ -287,7 +287,7 @@ def host_pool(config: EngineConfig, plan: MemoryPlan, cfg: ModelConfig, dtype: t
 
 
 def kv_memory(config: EngineConfig, cfg: ModelConfig, dtype: torch.dtype, max_model_len: int,
-              agree: Callable[[int], int] | None = None):
+              agree: Callable[[int], int] | None = None, weights: int | None = None):
     """The memory plan, the block manager (device blocks, scratch block, host pool) and the KV
     cache tensors it hands out. `cfg` is this rank's (its share of the heads, with tensor
     parallelism); `dtype` the model's (the cache's is kv_dtype of it); `agree(num_blocks)` makes
@@ -300,6 +300,7 @@ def kv_memory(config: EngineConfig, cfg: ModelConfig, dtype: torch.dtype, max_mo
     plan = plan_memory(
         cfg, dtype, config.block_size, max_model_len, config.max_num_seqs, config.kv_cache_memory,
         config.memory_fraction, config.device, config.quantization, config.quantization_group_size, cache_dtype,
+        weights,
     )
     if agree is not None:
         plan = dataclasses.replace(plan, num_blocks=agree(plan.num_blocks))
@@ -460,7 +461,9 @@ def _build(config: EngineConfig, ckpt: Checkpoint, detokenize: bool, threads: in
         rank_cfg = per_rank_config(cfg, ranks.world.world_size)
         agree = control.all_min
     platform.prepare_model(model, config)
-    plan, blocks, kv_caches = kv_memory(config, rank_cfg, dtype, max_len, agree)
+    # the loaded model's own bytes: a GGUF's or a prequantized checkpoint's layouts are not the
+    # estimate's (memory/planner.weight_bytes counts --quantization's)
+    plan, blocks, kv_caches = kv_memory(config, rank_cfg, dtype, max_len, agree, model_weight_bytes(model))
     backend = select_backend(config.attention_backend, config.device, dtype)
     forward, fusion = fuse(model, config)
     decode_step = platform.decode_step(model, forward, kv_caches, blocks, backend, config, max_len)

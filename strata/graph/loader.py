@@ -230,19 +230,6 @@ def _fill(f: SafetensorsFile, name: str, target: _Target) -> None:
         write(a, f.read_rows(name, a, min(n, a + step)))
 
 
-def _projection_parts(model: CausalLM, cfg: ModelConfig) -> dict[str, tuple[str, int]]:
-    """Our projection module name -> (the HF module of one of its parts, its input width)."""
-    hidden, q = cfg.hidden_size, cfg.num_heads * cfg.head_dim
-    out = {}
-    for i in range(len(model.layers)):
-        p = f"layers.{i}"
-        out[f"{p}.self_attn.qkv_proj"] = (f"model.{p}.self_attn.q_proj", hidden)
-        out[f"{p}.self_attn.o_proj"] = (f"model.{p}.self_attn.o_proj", q)
-        out[f"{p}.mlp.gate_up_proj"] = (f"model.{p}.mlp.gate_proj", hidden)
-        out[f"{p}.mlp.down_proj"] = (f"model.{p}.mlp.down_proj", cfg.intermediate_size)
-    return out
-
-
 def _fill_prequantized(files: list[Path], targets: dict[str, _Target], scheme: prequantized.Scheme,
                        loaded: set[str], ignored: list[str]) -> None:
     """The safetensors path for a prequantized checkpoint: a quantized projection's tensors
@@ -328,7 +315,7 @@ def load_model(
         if storage not in (None, scheme.storage):
             raise ModelLoadError(f"{path}: the checkpoint is already quantized ({scheme.describe()}); "
                                  f"--quantization {storage} cannot change that: drop it")
-        quantize_model(model, scheme.storage, 64, prequantized.layouts(scheme, _projection_parts(model, cfg)),
+        quantize_model(model, scheme.storage, 64, prequantized.layouts(scheme, prequantized.projection_parts(cfg)),
                        only_formats=True)
         logger.info("prequantized checkpoint: %s, held exactly", scheme.describe())
     else:

@@ -358,6 +358,19 @@ def fill_module(scheme: Scheme, parts: dict[str, torch.Tensor], module, rows: sl
         module.set_input_perm(perm)
 
 
+def projection_parts(cfg) -> dict[str, tuple[str, int]]:
+    """Our projection module name -> (the HF module of one of its parts, its input width)."""
+    hidden, q = cfg.hidden_size, cfg.num_heads * cfg.head_dim
+    out = {}
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}"
+        out[f"{p}.self_attn.qkv_proj"] = (f"model.{p}.self_attn.q_proj", hidden)
+        out[f"{p}.self_attn.o_proj"] = (f"model.{p}.self_attn.o_proj", q)
+        out[f"{p}.mlp.gate_up_proj"] = (f"model.{p}.mlp.gate_proj", hidden)
+        out[f"{p}.mlp.down_proj"] = (f"model.{p}.mlp.down_proj", cfg.intermediate_size)
+    return out
+
+
 def layouts(scheme: Scheme, modules: dict[str, tuple[str, int]]) -> dict:
     """memory.quant Layouts for the quantized projections: `modules` maps our module name to (the
     HF name of one of its parts, its input width); the ignored ones stay float."""

@@ -10,7 +10,7 @@ import torch
 
 from strata.errors import CapacityError
 from strata.kernels import kv_quant
-from strata.memory.quant import narrow_untied_embedding, quantized_bytes
+from strata.memory.quant import layout_bytes, narrow_untied_embedding, quantized_bytes
 from strata.model_config import ModelConfig
 from strata.text_table import fmt_bytes
 
@@ -24,13 +24,19 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
 
 
 def weight_bytes(
-    cfg: ModelConfig, dtype: torch.dtype, quantization: str | None = None, group_size: int = 64
+    cfg: ModelConfig, dtype: torch.dtype, quantization: str | None = None, group_size: int = 64,
+    layouts: dict | None = None,
 ) -> int:
     """Bytes of the weights as held in memory; with `quantization` ("int8" | "int4") the dense
     projections (q/k/v, o, gate/up, down, lm_head) take their quantised size (memory/quant.py),
     everything else (norms, biases, an untied embedding) stays in `dtype`, but for an untied bf16
     embedding of an fp32 model, kept in bf16 (quant.narrow_untied_embedding). "bf16" (bf16 storage
-    of an fp32 model, memory/bf16_weights.py) keeps every 2-D weight, embeddings included, in 2 bytes."""
+    of an fp32 model, memory/bf16_weights.py) keeps every 2-D weight, embeddings included, in 2 bytes.
+    layouts: memory.quant Layouts by projection module name (a GGUF's or a prequantized checkpoint's
+    own: graph/gguf_model.gguf_formats, graph/prequantized.layouts), counted as they are held; a
+    module they do not name takes `quantization`'s size, or stays in `dtype`."""
+    if layouts:
+        return _layout_weight_bytes(cfg, dtype, quantization, group_size, layouts)
     if quantization is None:
         return cfg.num_params() * dtype.itemsize
     h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
@@ -50,18 +56,47 @@ def weight_bytes(
             + sum(quantized_bytes(quantization, n, k, group_size) for n, k in mats))
 
 
+def _named_matrices(cfg: ModelConfig) -> list[tuple[str, int, int]]:
+    h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    out = []
+    for i in range(cfg.num_layers):
+        out += [(f"layers.{i}.self_attn.qkv_proj", d * (cfg.num_heads + 2 * cfg.num_kv_heads), h),
+                (f"layers.{i}.self_attn.o_proj", h, cfg.num_heads * d),
+                (f"layers.{i}.mlp.gate_up_proj", 2 * inter, h), (f"layers.{i}.mlp.down_proj", h, inter)]
+    return out + [("lm_head", cfg.vocab_size, h)]
+
+
+def _layout_weight_bytes(cfg: ModelConfig, dtype: torch.dtype, quantization: str | None, group_size: int,
+                         layouts: dict) -> int:
+    mats = _named_matrices(cfg)
+    float_params = cfg.num_params() - sum(n * k for _, n, k in mats)
+    held = 0
+    for name, n, k in mats:
+        if name in layouts:
+            held += layout_bytes(layouts[name], n, k)
+        elif quantization in ("int8", "int4"):
+            held += quantized_bytes(quantization, n, k, group_size)
+        else:
+            held += n * k * (2 if quantization == "bf16" else dtype.itemsize)
+    embed = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size
+    narrow = quantization == "bf16" or (quantization is not None and narrow_untied_embedding(
+        cfg.torch_dtype, dtype, cfg.tie_word_embeddings))
+    return (float_params - embed) * dtype.itemsize + embed * (2 if narrow else dtype.itemsize) + held
+
+
 def streamed_weight_bytes(
-    cfg: ModelConfig, dtype: torch.dtype, quantization: str | None = None, group_size: int = 64
+    cfg: ModelConfig, dtype: torch.dtype, quantization: str | None = None, group_size: int = 64,
+    layouts: dict | None = None,
 ) -> int:
     """The weight bytes one decode step reads: all of weight_bytes but an untied input embedding,
     of which a step reads one row per sequence (in the bytes it is held in: 2 where bf16 storage or
     quant.narrow_untied_embedding keeps it in bf16)."""
     if cfg.tie_word_embeddings:
-        return weight_bytes(cfg, dtype, quantization, group_size)
+        return weight_bytes(cfg, dtype, quantization, group_size, layouts)
     narrow = quantization == "bf16" or (quantization is not None and narrow_untied_embedding(
         cfg.torch_dtype, dtype, False))
     embed = cfg.vocab_size * cfg.hidden_size * (2 if narrow else dtype.itemsize)
-    return weight_bytes(cfg, dtype, quantization, group_size) - embed
+    return weight_bytes(cfg, dtype, quantization, group_size, layouts) - embed
 
 
 def check_fits(what: str, flag: str, nbytes: int, device: str, default: str) -> None:
@@ -126,6 +161,7 @@ def plan_memory(
     quantization: str | None = None,
     group_size: int = 64,
     kv_dtype: torch.dtype | None = None,
+    weights: int | None = None,
 ) -> MemoryPlan:
     """Size the paged KV cache; error at start if one max_model_len sequence cannot fit.
 
@@ -134,6 +170,7 @@ def plan_memory(
     memory is measured after the model is loaded (and quantised), so smaller weights leave more
     of it to the KV cache; `quantization` only changes the weight bytes the plan reports.
     `kv_dtype`: the cache's storage dtype when it is not the model's `dtype` (kv_cache_dtype).
+    `weights`: the loaded model's weight bytes, reported instead of the estimate.
     """
     per_token = kv_bytes_per_token(cfg, kv_dtype or dtype)
     per_block = per_token * block_size
@@ -154,7 +191,8 @@ def plan_memory(
             f"{fmt_bytes(per_token)}/token); raise kv_cache_memory or lower max_model_len"
         )
     plan = MemoryPlan(
-        weight_bytes(cfg, dtype, quantization, group_size), per_token, block_size, int(num_blocks),
+        weight_bytes(cfg, dtype, quantization, group_size) if weights is None else weights, per_token, block_size,
+        int(num_blocks),
         max_model_len, quantization,
     )
     logger.info("memory plan: %s", plan.summary())

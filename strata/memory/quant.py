@@ -71,6 +71,15 @@ def quantized_bytes(method: str, out_features: int, in_features: int, group_size
     return out_features * in_features // 2 + 4 * out_features * (in_features // g)
 
 
+def layout_bytes(layout: Layout, out_features: int, in_features: int) -> int:
+    """Bytes of one weight matrix held in `layout` (a GGUF's or a prequantized checkpoint's)."""
+    method, group, zero = layout
+    if method == "int8" and not group:
+        return out_features * in_features + 4 * out_features
+    data = out_features * in_features // (1 if method == "int8" else 2)
+    return data + 4 * out_features * (in_features // group) * (2 if zero else 1)
+
+
 class QuantLinear(nn.Module):
     """A dense projection with a weight-only quantised weight (kernels/quant_formats.py)."""
 

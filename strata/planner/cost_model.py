@@ -53,16 +53,17 @@ class ModelShape:
 
     @classmethod
     def of(cls, cfg: ModelConfig, dtype: torch.dtype, quantization: str | None, group: int,
-           kv_dtype: torch.dtype | None = None) -> ModelShape:
-        """kv_dtype: the KV cache's storage dtype when it is not `dtype` (engine/build.kv_dtype)."""
+           kv_dtype: torch.dtype | None = None, layouts: dict | None = None) -> ModelShape:
+        """kv_dtype: the KV cache's storage dtype when it is not `dtype` (engine/build.kv_dtype);
+        layouts: a GGUF's / prequantized checkpoint's own (memory/planner.weight_bytes)."""
         h, d = cfg.hidden_size, cfg.head_dim
         per_layer = (h * d * (cfg.num_heads + 2 * cfg.num_kv_heads) + cfg.num_heads * d * h
                      + 3 * h * cfg.intermediate_size)
         p_layers = cfg.num_layers * per_layer
-        held = weight_bytes(cfg, dtype, quantization, group)
+        held = weight_bytes(cfg, dtype, quantization, group, layouts)
         return cls(
             cfg=cfg, params=cfg.num_params(), p_lin=p_layers + cfg.vocab_size * h, p_layers=p_layers,
-            stream_bytes=streamed_weight_bytes(cfg, dtype, quantization, group), weight_bytes=held,
+            stream_bytes=streamed_weight_bytes(cfg, dtype, quantization, group, layouts), weight_bytes=held,
             kv_per_token=kv_bytes_per_token(cfg, kv_dtype or dtype),
             attn_flops_per_pos=4 * cfg.num_layers * cfg.num_heads * d, act_itemsize=dtype.itemsize,
         )

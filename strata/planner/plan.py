@@ -63,7 +63,7 @@ from strata.demo.random_models import SHAPES
 from strata.engine.build import kv_dtype, resolve_dtype
 from strata.errors import CapacityError, ConfigError
 from strata.graph import prequantized
-from strata.graph.gguf_model import default_storage, gguf_files
+from strata.graph.gguf_model import default_storage, gguf_files, gguf_formats
 from strata.graph.hub import local_model
 from strata.graph.loader import STAGING_BYTES
 from strata.hardware import probe as hw_probe
@@ -141,6 +141,16 @@ def resolve_model(spec: str) -> tuple[ModelConfig, str]:
             f"--model {spec!r}: not a directory, config.json or shape name; shapes: {', '.join(SHAPES)}"
         )
     return ModelConfig.from_file(path), str(spec)
+
+
+def _file_layouts(spec: str, derived: Path | None, scheme, cfg: ModelConfig, quantization: str | None) -> dict:
+    """The projections' layouts a GGUF file or a prequantized checkpoint decides (as the loader
+    builds them), for the weight bytes; {} for an ordinary checkpoint."""
+    if derived is not None:
+        return gguf_formats(derived, cfg.tie_word_embeddings, quantization)
+    if scheme is not None:
+        return prequantized.layouts(scheme, prequantized.projection_parts(cfg))
+    return {}
 
 
 def _prequantized_scheme(spec: str):
@@ -286,7 +296,7 @@ def memory_part(shape: ModelShape, dev: Device, req: PlanRequest, dtype: torch.d
     try:
         mp = plan_memory(plan_cfg, dtype, req.block_size, max_len, req.max_num_seqs, budget,
                          req.memory_fraction, dev.torch_device or "cpu", req.quantization, req.group_size,
-                         kv_dtype)
+                         kv_dtype, weights if tp == 1 else None)
         blocks = mp.num_blocks
     except CapacityError as e:
         blocks, error = budget // per_block if per_block else 0, str(e)
@@ -387,7 +397,10 @@ def build_plan(req: PlanRequest, profile=None, overhead=None) -> Plan:
         dev = spec_device(spec, count, dtype, req.alpha_us)
     notes.append(f"planned in {formats.how}")
     req = dataclasses.replace(req, quantization=quantization)  # the weight format decided (auto: maybe bf16)
-    shape = ModelShape.of(cfg, dtype, quantization, req.group_size, formats.kv_dtype)
+    layouts = _file_layouts(req.model, derived, scheme, cfg, quantization)
+    shape = ModelShape.of(cfg, dtype, quantization, req.group_size, formats.kv_dtype, layouts)
+    if layouts:
+        notes.append(f"weights counted in the file's own layouts ({len(layouts)} projections)")
     max_len = cfg.max_model_len(req.max_model_len)
     input_len = req.input_len or max_len
     context = req.context or max_len

@@ -351,3 +351,20 @@ def test_a_hub_gguf_repo_by_quantization_type(tiny_models, tmp_path, monkeypatch
     assert _layout(m.layers[0].mlp.down_proj) == ("int8", 32, False)
     with pytest.raises(ModelLoadError, match=r"org/Tiny-GGUF:Q4_K_M: no Q4_K_M GGUF of it in the Hugging Face cache"):
         check_model_dir("org/Tiny-GGUF:Q4_K_M")
+
+
+def test_planned_weight_bytes_are_the_loaded_layouts(wide_llama, tmp_path):
+    """The planner's weight bytes for a GGUF (memory/planner.weight_bytes with the file's layouts)
+    equal what the loaded model holds, a Q4_K_M mix's zero points and groups of 16 included."""
+    from strata.graph.gguf_model import gguf_formats
+    from strata.memory.planner import weight_bytes
+    from strata.memory.quant import model_weight_bytes
+    from strata.model_config import ModelConfig
+
+    path = tmp_path / "q4km.gguf"
+    write_gguf(wide_llama.hf, path, T.Q4_K, types=_Q4_K_M)
+    d = check_model_dir(path)
+    cfg = ModelConfig.from_file(d / "config.json")
+    m = load_model(d, torch.float32, "cpu", 256, "int4", 32)
+    layouts = gguf_formats(d, cfg.tie_word_embeddings, "int4")
+    assert weight_bytes(cfg, torch.float32, "int4", 32, layouts) == model_weight_bytes(m)
