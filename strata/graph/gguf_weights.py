@@ -32,6 +32,7 @@ from strata.graph.gguf_blocks import BLOCKS, NIBBLE_CODES, decompose
 from strata.graph.gguf_file import GGUFFile, TensorInfo
 from strata.graph.gguf_model import unpermute_rows
 from strata.graph.pread_file import READ_CHUNK_BYTES
+from strata.kernels import cpu_gguf
 from strata.memory.quant import QuantLinear
 
 _FLOATS = {T.F32: (np.float32, torch.float32), T.F16: (np.float16, torch.float16), T.BF16: (np.int16, torch.bfloat16)}
@@ -95,7 +96,19 @@ def exact_into(kind: T, module) -> bool:
 
 
 def _blocks_into(kind: T, raw: np.ndarray, module: QuantLinear, rows: slice) -> None:
-    """Rows of raw blocks into `module`'s grouped storage, exactly (exact_into holds)."""
+    """Rows of raw blocks into `module`'s grouped storage, exactly (exact_into holds). The two
+    K-quant layouts a Q4_K_M file is mostly made of by one compiled pass (kernels/cpu_gguf.py,
+    equal to this function's numpy path, its twin)."""
+    zero_layout = module.scale.dim() == 3
+    if cpu_gguf.available() and module.qweight.is_cpu:
+        if kind == T.Q4_K and module.method == "int4" and zero_layout:
+            return cpu_gguf.q4_k_into_int4z(raw, module.qweight[rows].numpy(), module.scale[rows].numpy())
+        if kind == T.Q6_K and module.method == "int8" and module.group_size == 16 and not zero_layout:
+            return cpu_gguf.q6_k_into_int8g16(raw, module.qweight[rows].numpy(), module.scale[rows].numpy())
+    _blocks_into_np(kind, raw, module, rows)
+
+
+def _blocks_into_np(kind: T, raw: np.ndarray, module: QuantLinear, rows: slice) -> None:
     codes, scale, zero, group = decompose(kind, raw)
     if module.method == "int8":
         module.qweight[rows].copy_(torch.from_numpy(codes))

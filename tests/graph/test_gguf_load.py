@@ -368,3 +368,24 @@ def test_planned_weight_bytes_are_the_loaded_layouts(wide_llama, tmp_path):
     m = load_model(d, torch.float32, "cpu", 256, "int4", 32)
     layouts = gguf_formats(d, cfg.tie_word_embeddings, "int4")
     assert weight_bytes(cfg, torch.float32, "int4", 32, layouts) == model_weight_bytes(m)
+
+
+@pytest.mark.parametrize("kind,layout", [(T.Q4_K, ("int4", 32, True)), (T.Q6_K, ("int8", 16, False))],
+                         ids=["Q4_K", "Q6_K"])
+def test_compiled_k_quant_repack_equals_the_numpy_twin(kind, layout):
+    """kernels/cpu_gguf.py's one-pass repack writes what gguf_weights' numpy path writes, bit for bit."""
+    from strata.graph import gguf_weights
+    from strata.kernels import cpu_gguf
+    from strata.memory.quant import QuantLinear
+    from tests.graph.gguf_writer import _random_k_blocks
+
+    if not cpu_gguf.available():
+        pytest.skip("numba is not installed: the numpy path is the only one")
+    rows, cols = 48, 512
+    raw = _random_k_blocks(rows, cols, kind, seed=3)
+    method, group, zero = layout
+    fast, slow = (QuantLinear.empty(method, rows, cols, group, None, "cpu", grouped_int8=method == "int8", zero=zero)
+                  for _ in range(2))
+    gguf_weights._blocks_into(kind, raw, fast, slice(0, rows))
+    gguf_weights._blocks_into_np(kind, raw, slow, slice(0, rows))
+    assert torch.equal(fast.qweight, slow.qweight) and torch.equal(fast.scale, slow.scale)

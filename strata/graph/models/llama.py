@@ -176,7 +176,11 @@ class CausalLM(nn.Module):
         self.rotary_local = (RotaryEmbedding(cfg.rotary_dims, positions, cfg.rope_local_theta, None)
                              if cfg.rope_local_theta is not None else None)
         self.local_layers = frozenset(i for i in range(cfg.num_layers) if cfg.layer_window(i) is not None)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # built on `meta` to be loaded (graph/loader.py): no random init, whose first call on meta
+        # imports torch's reference ops (~1 s of every load)
+        on_meta = torch.empty(0).device.type == "meta"
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size) if on_meta else None)
         layer_cls = GemmaDecoderLayer if cfg.gemma_norms else DecoderLayer
         self.layers = nn.ModuleList(layer_cls(cfg, i) for i in range(cfg.num_layers))
         self.norm = _norm(cfg, cfg.hidden_size)
