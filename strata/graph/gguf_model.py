@@ -344,7 +344,18 @@ def default_storage(directory: Path) -> tuple[str | None, int, str]:
     why = (f"GGUF projections {', '.join(f'{k} x{v}' for k, v in types.items())}: served as "
            f"{method or 'float32'}{f' group {group}' if group else ''}"
            f"{'' if exact else ' (requantised from ' + main + ': close to, not bit-equal to, the file)'}")
+    held = [f"{k} -> {describe_layout(_layout({k}, method))}" for k in types
+            if method in ("int8", "int4") and _layout({k}, method) is not None]
+    if held:
+        why += "; held exactly: " + ", ".join(held) + " (a fused module: the layout holding all its tensors)"
     return method, group, why
+
+
+def describe_layout(layout: Layout) -> str:
+    """'int4 group 32 with zero points', 'int8 by 16 columns', 'int8 per row'."""
+    method, group, zero = layout
+    shape = (f"group {group}" if method == "int4" else f"by {group} columns") if group else "per row"
+    return f"{method} {shape}" + (" with zero points" if zero else "")
 
 
 def _module_of(hf: str, tied: bool) -> str | None:
