@@ -35,10 +35,11 @@ from strata.errors import ModelLoadError
 from strata.graph.gguf_blocks import BLOCKS, NIBBLE_CODES
 from strata.graph.gguf_file import GGUFFile, TensorInfo, split_files
 from strata.memory.quant import Layout
+from strata.protocol.tokenizer_dir import GGUF_POINTER
 
 logger = logging.getLogger(__name__)
 
-POINTER = "strata_gguf.json"  # in a derived directory: the GGUF files that hold its weights
+POINTER = GGUF_POINTER  # in a derived directory: the GGUF files that hold its weights
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "phi3": "Phi3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 # architectures whose norm weights the converter stored as 1 + w (Gemma's RMSNorm scales by 1 + w)

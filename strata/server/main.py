@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -28,11 +29,10 @@ from strata import cli_options
 from strata.config import EngineConfig
 from strata.demo.model import demo_model_path
 from strata.engine.args import EngineArgs
-from strata.engine.build import tokenizer_dir
 from strata.errors import StrataError
 from strata.hardware.cores import server_layout
-from strata.model_config import ModelConfig
 from strata.protocol.tokenizer import Tokenizer
+from strata.protocol.tokenizer_dir import tokenizer_dir
 from strata.server import faults, procs, routes_ops
 from strata.server.app import ServerOptions, ServerState, build_app
 from strata.server.engine_client import EngineClient
@@ -133,8 +133,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     else:
         model_path = str(model)
     if kwargs.get("tokenizer"):  # --tokenizer DIR: the front end's and the workers' tokenizer too
-        cfg = ModelConfig.from_file(os.path.join(model_path, "config.json"))
-        model_path_for_text = str(tokenizer_dir(Path(model_path), kwargs["tokenizer"], cfg.vocab_size))
+        vocab = json.loads(Path(model_path, "config.json").read_text())["vocab_size"]
+        model_path_for_text = str(tokenizer_dir(Path(model_path), kwargs["tokenizer"], vocab))
     else:
         model_path_for_text = model_path
     if not os.path.isfile(os.path.join(model_path_for_text, "tokenizer.json")):

@@ -37,9 +37,9 @@ def test_every_named_shape_parses_and_has_its_real_size():
     for name, shape in SHAPES.items():
         cfg = ModelConfig.from_dict(dict({"torch_dtype": "float32"} | shape), name)
         assert cfg.vocab_size == shape["vocab_size"]
-    assert BF16_SHAPES == {"llama-3.2-1b", "llama-3.2-3b", "qwen2.5-7b", "llama-3.1-8b"}
-    # parameter counts of the HF checkpoints (their safetensors totals: 1.24B, 3.21B, 7.62B, 8.03B)
-    params = {"llama-3.2-1b": 1_235_814_400, "llama-3.2-3b": 3_212_749_824,
+    assert BF16_SHAPES == {"llama-3.2-1b", "qwen2.5-1.5b", "llama-3.2-3b", "qwen2.5-7b", "llama-3.1-8b"}
+    # parameter counts of the HF checkpoints (their safetensors totals: 1.24B, 1.54B, 3.21B, 7.62B, 8.03B)
+    params = {"llama-3.2-1b": 1_235_814_400, "qwen2.5-1.5b": 1_543_714_304, "llama-3.2-3b": 3_212_749_824,
               "qwen2.5-7b": 7_615_616_512, "llama-3.1-8b": 8_030_261_248}
     for name, n in params.items():
         assert sum(math.prod(s) for _, s, _ in rm.tensor_specs(SHAPES[name])) == n, name

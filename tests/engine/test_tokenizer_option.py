@@ -11,9 +11,10 @@ import shutil
 import pytest
 
 from strata.demo.model import demo_model_path
-from strata.engine.build import open_checkpoint, tokenizer_dir
+from strata.engine.build import open_checkpoint
 from strata.errors import ConfigError
 from strata.graph.gguf_model import POINTER
+from strata.protocol.tokenizer_dir import tokenizer_dir
 
 
 @pytest.fixture
@@ -66,7 +67,7 @@ def test_a_different_pre_tokenizer_is_named_in_a_warning(gguf_dir, tmp_path, cap
         spec["pre_tokenizer"] = {"type": "Whitespace"}
 
     other = _copy_demo_tokenizer(tmp_path / "ws", whitespace)
-    with caplog.at_level(logging.WARNING, logger="strata.engine.build"):
+    with caplog.at_level(logging.WARNING, logger="strata.protocol.tokenizer_dir"):
         assert tokenizer_dir(gguf_dir, str(other), _vocab_size()) == other
     assert "encodes differently" in caplog.text
 
