@@ -33,6 +33,11 @@ their activations as llama.cpp's q8_0 blocks (_quant_q8, quant_formats.
 quantize_activations_q8_0_ref) at any row count: the _int8g_* kernels (cpu_simd.i8_dot_vnni_g32;
 an fp32 loop without VNNI) and, under STRATA_GROUP32_PREFILL=q8_0, the four-row prefill kernels.
 
+Grouped layouts with zero points (scale [out, 2, groups]: a GGUF's Q4_1 / Q5_1 / Q4_K / Q5_K, an
+AWQ / GPTQ / compressed-tensors asymmetric int4; quant_formats.py): the symmetric row dot on the
+scales, minus zero . (the input row's group sums), per output row in one loop (_int4z_*,
+_int8gz_*); grouped int8 by 16 columns (Q6_K) dots four groups per VPDPBUSD (i8_dot_vnni_g16).
+
 Every kernel's reference twin is the torch path: dequantize_*_ref then F.linear (for the VNNI
 path, of quantize_activations_ref(x) instead of x).
 """

@@ -10,7 +10,8 @@
   weight is s * code - z, code the int8 value (int8 grouped) or nibble - 8 (int4). llama.cpp's
   minima formats are exactly this: a Q4_K group's s = d * sc, z = dmin * m; Q4_1's z = -m.
   The kernels compute sum(x * (s * code - z)) as s * sum(x * code) - z * sum(x) per group, the
-  second term from each input row's group sums (cpu_quant.zero_correction).
+  second term from each input row's group sums, in the same row loop (cpu_quant._int4z_gemv,
+  _int8gz_gemv and their SwiGLU forms).
 - int4: `qweight` uint8 [out, in / 2], `scale` fp32 [out, in / group_size]; symmetric per group of
   `group_size` input columns, w ~= (q - 8) * scale with q in [0, 15]. Two nibbles per byte, laid
   out per group: byte k of a group of L columns holds column k (low nibble) and column k + L/2
