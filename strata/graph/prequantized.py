@@ -209,17 +209,23 @@ def _gptq(t: dict, scheme: Scheme, in_features: int) -> Int4:
         if scheme.gptq_v1:
             z = (z + 1) & 15
         zero = None if scheme.symmetric and bool((z == 8).all()) else z
-    perm = None
-    g_idx = t.get("g_idx")
-    if g_idx is not None:
-        g_idx = g_idx.to(torch.int64)
-        group = in_features // scale.shape[1]
-        if not torch.equal(g_idx, torch.arange(in_features) // group):
-            perm = torch.argsort(g_idx, stable=True)  # desc_act: each group's columns together
-            if not torch.equal(g_idx[perm], torch.arange(in_features) // group):
-                raise ModelLoadError("gptq g_idx: the groups do not hold group_size columns each; cannot place them")
-            n = n[:, perm]
-    return Int4(n, scale, zero, perm)
+    perm = _act_order(t.get("g_idx"), in_features, scale.shape[1], "gptq g_idx")
+    return Int4(n if perm is None else n[:, perm], scale, zero, perm)
+
+
+def _act_order(g_idx: torch.Tensor | None, in_features: int, groups: int, what: str) -> torch.Tensor | None:
+    """The column order that makes an act-order checkpoint's groups runs (argsort of its g_idx),
+    or None where the groups already are (g_idx = column // group size, or none given)."""
+    if g_idx is None:
+        return None
+    g_idx = g_idx.to(torch.int64)
+    runs = torch.arange(in_features) // (in_features // groups)
+    if torch.equal(g_idx, runs):
+        return None
+    perm = torch.argsort(g_idx, stable=True)  # each group's columns together
+    if not torch.equal(g_idx[perm], runs):
+        raise ModelLoadError(f"{what}: the groups do not hold group_size columns each; cannot place them")
+    return perm
 
 
 def _ct_int4(t: dict, scheme: Scheme, out_features: int, in_features: int) -> Int4:
@@ -228,15 +234,8 @@ def _ct_int4(t: dict, scheme: Scheme, out_features: int, in_features: int) -> In
     zero = None
     if not scheme.symmetric:
         zero = _nibbles(t["weight_zero_point"], 0)[:out_features]
-    perm = None
-    g_idx = t.get("weight_g_idx")
-    if g_idx is not None:
-        g_idx = g_idx.to(torch.int64)
-        group = in_features // scale.shape[1]
-        if not torch.equal(g_idx, torch.arange(in_features) // group):
-            perm = torch.argsort(g_idx, stable=True)
-            n = n[:, perm]
-    return Int4(n, scale, zero, perm)
+    perm = _act_order(t.get("weight_g_idx"), in_features, scale.shape[1], "compressed-tensors weight_g_idx")
+    return Int4(n if perm is None else n[:, perm], scale, zero, perm)
 
 
 def decode_int4(scheme: Scheme, t: dict, out_features: int, in_features: int) -> Int4:
