@@ -230,6 +230,14 @@ def _fill(f: SafetensorsFile, name: str, target: _Target) -> None:
         write(a, f.read_rows(name, a, min(n, a + step)))
 
 
+def _check_shape(f: SafetensorsFile, name: str, target: _Target) -> None:
+    if f.shape(name) != target.shape:
+        raise ModelLoadError(
+            f"{f.path.name}: tensor {name!r} has shape {list(f.shape(name))}, but config.json "
+            f"implies {list(target.shape)}; the checkpoint and config.json disagree"
+        )
+
+
 def _fill_prequantized(files: list[Path], targets: dict[str, _Target], scheme: prequantized.Scheme,
                        loaded: set[str], ignored: list[str]) -> None:
     """The safetensors path for a prequantized checkpoint: a quantized projection's tensors
@@ -249,12 +257,8 @@ def _fill_prequantized(files: list[Path], targets: dict[str, _Target], scheme: p
                 used.update(names)
                 loaded.add(hf)
             elif hf in where:
-                f = where[hf]
-                if f.shape(hf) != target.shape:
-                    raise ModelLoadError(
-                        f"{f.path.name}: tensor {hf!r} has shape {list(f.shape(hf))}, but config.json "
-                        f"implies {list(target.shape)}; the checkpoint and config.json disagree")
-                _fill(f, hf, target)
+                _check_shape(where[hf], hf, target)
+                _fill(where[hf], hf, target)
                 used.add(hf)
                 loaded.add(hf)
         ignored.extend(n for n in where if n not in used)
@@ -341,12 +345,7 @@ def load_model(
                     if target is None:
                         ignored.append(name)
                         continue
-                    shape = f.shape(name)
-                    if shape != target.shape:
-                        raise ModelLoadError(
-                            f"{file.name}: tensor {name!r} has shape {list(shape)}, but config.json "
-                            f"implies {list(target.shape)}; the checkpoint and config.json disagree"
-                        )
+                    _check_shape(f, name, target)
                     _fill(f, name, target)
                     loaded.add(name)
     missing = sorted(set(targets) - loaded)

@@ -35,6 +35,7 @@ orders we cannot place) is refused by name with the supported list.
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
 
 import torch
@@ -143,8 +144,6 @@ def _compressed_tensors(q: dict, path) -> Scheme:
 
 def is_ignored(scheme: Scheme, module: str) -> bool:
     """Whether the checkpoint left HF module `module` (e.g. "lm_head") unquantized."""
-    import re
-
     for pattern in scheme.ignore:
         if pattern.startswith("re:") and re.fullmatch(pattern[3:], module):
             return True

@@ -504,14 +504,13 @@ if numba is not None:
     # where the kernel ran on it (vnni), so the result is the reference's on those activations.
 
     @njit(cache=True)
-    def _zero_sums(x, group, act):  # pragma: no cover - compiled
+    def _zero_sums(x, xq, xs, group, act):  # pragma: no cover - compiled
         """[rows, groups] sums of x over each weight group; act: the activation group the int8
-        kernel quantised x in (0: it ran on fp32 x)."""
+        kernel quantised x in (xq, xs: _quant_rows(x, act)); 0: it ran on fp32 x."""
         rows, n = x.shape
         ng = n // group
         sums = np.zeros((rows, ng), np.float32)
         if act:
-            xq, xs, _ = _quant_rows(x, act)
             for j in range(rows):
                 for g in range(ng):
                     total = 0
@@ -526,6 +525,11 @@ if numba is not None:
                     total += x[j, c]
                 sums[j, g] = total
         return sums
+
+    @njit(cache=True)
+    def _no_quant_rows():  # pragma: no cover - compiled
+        """_quant_rows' types, empty: where a kernel runs on fp32 input."""
+        return np.empty((0, 0), np.int8), np.empty((0, 0), np.float32), np.empty((0, 0), np.float32)
 
     @njit(parallel=True, fastmath=True, cache=True)
     def _sub_zero(z, sums, out, threads):  # pragma: no cover - compiled
@@ -563,8 +567,8 @@ if numba is not None:
         """Grouped int8 with zero points (scale [out, 2, groups])."""
         n_out = w.shape[0]
         rows = x.shape[0]
-        xq, xs, _ = _quant_rows(x, 32)  # unused without vnni (cheap: one pass over x)
-        sums = _zero_sums(x, w.shape[1] // s3.shape[2], 32 if vnni else 0)
+        xq, xs, _ = _quant_rows(x, 32) if vnni else _no_quant_rows()
+        sums = _zero_sums(x, xq, xs, w.shape[1] // s3.shape[2], 32 if vnni else 0)
         per = (n_out + threads - 1) // threads
         for t in prange(threads):
             for r in range(t * per, min(n_out, (t + 1) * per)):
@@ -575,8 +579,8 @@ if numba is not None:
     def _int8gz_swiglu(w, s3, x, out, vnni, threads):  # pragma: no cover - compiled
         half_rows = w.shape[0] // 2
         rows = x.shape[0]
-        xq, xs, _ = _quant_rows(x, 32)
-        sums = _zero_sums(x, w.shape[1] // s3.shape[2], 32 if vnni else 0)
+        xq, xs, _ = _quant_rows(x, 32) if vnni else _no_quant_rows()
+        sums = _zero_sums(x, xq, xs, w.shape[1] // s3.shape[2], 32 if vnni else 0)
         per = (half_rows + threads - 1) // threads
         for t in prange(threads):
             for r in range(t * per, min(half_rows, (t + 1) * per)):
@@ -601,9 +605,9 @@ if numba is not None:
         """int4 with zero points (scale [out, 2, groups])."""
         n_out = w.shape[0]
         rows, n_in = x.shape
-        xq, xs, off = _quant_rows(x, group)
-        xs8 = _group_sums8(x, group)
-        sums = _zero_sums(x, group, group if vnni else 0)
+        xq, xs, off = _quant_rows(x, group) if vnni else _no_quant_rows()
+        xs8 = _group_sums8(x, group) if not vnni and rows == 1 else xs  # i4_dot's, batch 1 in fp32
+        sums = _zero_sums(x, xq, xs, group, group if vnni else 0)
         per = (n_out + threads - 1) // threads
         for t in prange(threads):
             buf = np.empty(n_in, np.float32)
@@ -615,9 +619,9 @@ if numba is not None:
     def _int4z_swiglu(w, s3, x, out, group, vnni, threads):  # pragma: no cover - compiled
         half_rows = w.shape[0] // 2
         rows, n_in = x.shape
-        xq, xs, off = _quant_rows(x, group)
-        xs8 = _group_sums8(x, group)
-        sums = _zero_sums(x, group, group if vnni else 0)
+        xq, xs, off = _quant_rows(x, group) if vnni else _no_quant_rows()
+        xs8 = _group_sums8(x, group) if not vnni and rows == 1 else xs  # i4_dot's, batch 1 in fp32
+        sums = _zero_sums(x, xq, xs, group, group if vnni else 0)
         per = (half_rows + threads - 1) // threads
         for t in prange(threads):
             buf = np.empty(n_in, np.float32)
@@ -983,7 +987,8 @@ def _group32_rows(method: str, x: torch.Tensor, w: np.ndarray, s: np.ndarray) ->
     threads = cpu_gemv.sync_threads()
     kernel(w, s[:, 0] if s.ndim == 3 else s, xn, out, threads)
     if s.ndim == 3:
-        _sub_zero(s[:, 1], _zero_sums(xn, 32, 32), out, threads)
+        xq, xs, _ = _quant_rows(xn, 32)
+        _sub_zero(s[:, 1], _zero_sums(xn, xq, xs, 32, 32), out, threads)
     return torch.from_numpy(out)
 
 

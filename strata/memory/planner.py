@@ -35,44 +35,11 @@ def weight_bytes(
     layouts: memory.quant Layouts by projection module name (a GGUF's or a prequantized checkpoint's
     own: graph/gguf_model.gguf_formats, graph/prequantized.layouts), counted as they are held; a
     module they do not name takes `quantization`'s size, or stays in `dtype`."""
-    if layouts:
-        return _layout_weight_bytes(cfg, dtype, quantization, group_size, layouts)
-    if quantization is None:
-        return cfg.num_params() * dtype.itemsize
-    h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-    mats = [
-        (d * (cfg.num_heads + 2 * cfg.num_kv_heads), h),  # qkv_proj
-        (h, cfg.num_heads * d),  # o_proj
-        (2 * inter, h),  # gate_up_proj
-        (h, inter),  # down_proj
-    ] * cfg.num_layers + [(cfg.vocab_size, h)]  # lm_head (the tied embedding shares it)
-    float_params = cfg.num_params() - sum(n * k for n, k in mats)
-    embed = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size
-    if quantization == "bf16":
-        return (float_params - embed) * dtype.itemsize + 2 * (embed + sum(n * k for n, k in mats))
-    if not narrow_untied_embedding(cfg.torch_dtype, dtype, cfg.tie_word_embeddings):
-        embed = 0
-    return ((float_params - embed) * dtype.itemsize + 2 * embed
-            + sum(quantized_bytes(quantization, n, k, group_size) for n, k in mats))
-
-
-def _named_matrices(cfg: ModelConfig) -> list[tuple[str, int, int]]:
-    h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-    out = []
-    for i in range(cfg.num_layers):
-        out += [(f"layers.{i}.self_attn.qkv_proj", d * (cfg.num_heads + 2 * cfg.num_kv_heads), h),
-                (f"layers.{i}.self_attn.o_proj", h, cfg.num_heads * d),
-                (f"layers.{i}.mlp.gate_up_proj", 2 * inter, h), (f"layers.{i}.mlp.down_proj", h, inter)]
-    return out + [("lm_head", cfg.vocab_size, h)]
-
-
-def _layout_weight_bytes(cfg: ModelConfig, dtype: torch.dtype, quantization: str | None, group_size: int,
-                         layouts: dict) -> int:
     mats = _named_matrices(cfg)
     float_params = cfg.num_params() - sum(n * k for _, n, k in mats)
     held = 0
     for name, n, k in mats:
-        if name in layouts:
+        if layouts and name in layouts:
             held += layout_bytes(layouts[name], n, k)
         elif quantization in ("int8", "int4"):
             held += quantized_bytes(quantization, n, k, group_size)
@@ -82,6 +49,16 @@ def _layout_weight_bytes(cfg: ModelConfig, dtype: torch.dtype, quantization: str
     narrow = quantization == "bf16" or (quantization is not None and narrow_untied_embedding(
         cfg.torch_dtype, dtype, cfg.tie_word_embeddings))
     return (float_params - embed) * dtype.itemsize + embed * (2 if narrow else dtype.itemsize) + held
+
+
+def _named_matrices(cfg: ModelConfig) -> list[tuple[str, int, int]]:
+    h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    out = []
+    for i in range(cfg.num_layers):
+        out += [(f"layers.{i}.self_attn.qkv_proj", d * (cfg.num_heads + 2 * cfg.num_kv_heads), h),
+                (f"layers.{i}.self_attn.o_proj", h, cfg.num_heads * d),
+                (f"layers.{i}.mlp.gate_up_proj", 2 * inter, h), (f"layers.{i}.mlp.down_proj", h, inter)]
+    return out + [("lm_head", cfg.vocab_size, h)]  # the tied embedding shares it
 
 
 def streamed_weight_bytes(

@@ -65,10 +65,7 @@ def layer_format(method: str, in_features: int, group_size: int) -> tuple[str, i
 
 def quantized_bytes(method: str, out_features: int, in_features: int, group_size: int) -> int:
     """Bytes of one quantised weight matrix (data + fp32 scales), as QuantLinear stores it."""
-    method, g = layer_format(method, in_features, group_size)
-    if method == "int8":
-        return out_features * in_features + 4 * out_features
-    return out_features * in_features // 2 + 4 * out_features * (in_features // g)
+    return layout_bytes(Layout(*layer_format(method, in_features, group_size)), out_features, in_features)
 
 
 def layout_bytes(layout: Layout, out_features: int, in_features: int) -> int:
