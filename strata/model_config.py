@@ -31,6 +31,21 @@ SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool]] = {
     "Qwen3ForCausalLM": {"qkv_bias": False, "qk_norm": True},
     "Gemma3ForCausalLM": {"qkv_bias": False, "qk_norm": True},  # Gemma 3 text (1B, or a text-only export)
     "Phi3ForCausalLM": {"qkv_bias": False, "qk_norm": False},  # Phi-3, Phi-3.5-mini, Phi-4-mini
+    # mixture-of-experts families (MoEConfig below; graph/moe.py)
+    "MixtralForCausalLM": {"qkv_bias": False, "qk_norm": False},
+    "Qwen2MoeForCausalLM": {"qkv_bias": True, "qk_norm": False},  # + a gated shared expert
+    "Qwen3MoeForCausalLM": {"qkv_bias": False, "qk_norm": True},
+    "OlmoeForCausalLM": {"qkv_bias": False, "qk_norm": True},  # q/k norms over the whole projection
+}
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM")
+
+# architectures people bring that Strata refuses by name, with what it would take
+NOT_YET: dict[str, str] = {
+    "GptOssForCausalLM": "gpt-oss needs attention sinks, MXFP4 experts and its clamped SwiGLU",
+    "DeepseekV2ForCausalLM": "DeepSeek-V2 needs multi-head latent attention (MLA) and grouped routing",
+    "DeepseekV3ForCausalLM": "DeepSeek-V3 needs multi-head latent attention (MLA) and sigmoid group routing",
+    "Qwen3NextForCausalLM": "Qwen3-Next needs gated delta-net (linear attention) layers",
+    "PhimoeForCausalLM": "Phi-MoE needs sparsemixer routing",
 }
 
 REQUIRED = object()  # Field.default: the field must be present and not null
@@ -134,6 +149,79 @@ FAMILY_SCHEMA: dict[str, Field] = {
     "original_max_position_embeddings": Field(int, 1, _SIZE, default=None),
 }
 LAYER_TYPES = ("sliding_attention", "full_attention")
+
+# the MoE families' fields (_moe below); absent fields take transformers' defaults for the family
+MOE_SCHEMA: dict[str, Field] = {
+    # the expert count: Mixtral's name (and what transformers >= 5 writes for Qwen3-MoE), the others'
+    "num_local_experts": Field(int, 1, 4096, default=None),
+    "num_experts": Field(int, 1, 4096, default=None),
+    "num_experts_per_tok": Field(int, 1, 4096, default=None),
+    "moe_intermediate_size": Field(int, 1, 2**20, default=None),  # Qwen MoE (Mixtral, OLMoE: intermediate_size)
+    "shared_expert_intermediate_size": Field(int, 0, 2**20, default=5632),  # Qwen2-MoE
+    "norm_topk_prob": Field(bool, default=False),
+    "decoder_sparse_step": Field(int, 1, 1024, default=1),
+    "router_aux_loss_coef": Field(float, 0, default=None),
+    "router_z_loss_coef": Field(float, 0, default=0.0),
+    "router_jitter_noise": Field(float, 0, default=0.0),  # Mixtral, training only
+    "clip_qkv": Field(float, 0, default=None, lo_open=True),  # OLMoE
+    "qkv_bias": Field(bool, default=True),  # Qwen2-MoE
+}
+# per family: (experts, experts per token, expert width field or None = intermediate_size, aux coef)
+MOE_DEFAULTS: dict[str, tuple[int, int, str | None, float]] = {
+    "MixtralForCausalLM": (8, 2, None, 0.001),
+    "Qwen2MoeForCausalLM": (60, 4, "moe_intermediate_size", 0.001),
+    "Qwen3MoeForCausalLM": (128, 8, "moe_intermediate_size", 0.001),
+    "OlmoeForCausalLM": (64, 8, None, 0.01),
+}
+_MOE_WIDTH_DEFAULT = {"Qwen2MoeForCausalLM": 1408, "Qwen3MoeForCausalLM": 768}
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """A mixture-of-experts MLP (graph/moe.py): a fp32 router picks `top_k` of `num_experts` gated
+    MLPs per token (softmax, top-k, renormalised when `norm_topk_prob`: Mixtral always), plus an
+    always-on shared expert behind a sigmoid gate where `shared_intermediate_size` (Qwen2-MoE).
+    `sparse`: which layers are MoE (the rest keep the dense MLP of intermediate_size)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    norm_topk_prob: bool
+    shared_intermediate_size: int
+    sparse: tuple[bool, ...]
+    router_aux_loss_coef: float
+    router_z_loss_coef: float = 0.0
+
+
+def _moe(arch: str, d: dict[str, Any], source: str, layers: int, inter: int) -> MoEConfig:
+    """The MoE block's fields, checked; the sparse-layer rule is transformers' (Qwen MoE: layer i
+    is sparse unless listed in mlp_only_layers, and when (i + 1) % decoder_sparse_step == 0)."""
+    m = _Reader(d, source, MOE_SCHEMA)
+    experts_default, k_default, width_field, aux_default = MOE_DEFAULTS[arch]
+    count_field = "num_experts" if d.get("num_experts") is not None else "num_local_experts"
+    experts = m.get(count_field) or experts_default
+    top_k = m.get("num_experts_per_tok") or k_default
+    if top_k > experts:
+        raise ModelLoadError(f"{source}: num_experts_per_tok = {top_k} exceeds {count_field} = {experts}; "
+                             f"expected num_experts_per_tok in [1, {experts}]")
+    width = (m.get(width_field) or _MOE_WIDTH_DEFAULT[arch]) if width_field else inter
+    sparse = [True] * layers
+    if arch.startswith("Qwen"):
+        step = m.get("decoder_sparse_step")
+        only = d.get("mlp_only_layers") or []
+        if not (isinstance(only, list) and all(type(i) is int and 0 <= i < layers for i in only)):
+            raise ModelLoadError(f"{source}: mlp_only_layers = {_show(only)} is not a list of layer indices; "
+                                 f"expected integers in [0, {layers})")
+        sparse = [i not in only and (i + 1) % step == 0 for i in range(layers)]
+    shared = m.get("shared_expert_intermediate_size") if arch == "Qwen2MoeForCausalLM" else 0
+    aux = m.get("router_aux_loss_coef")
+    return MoEConfig(
+        num_experts=experts, top_k=top_k, intermediate_size=width,
+        norm_topk_prob=True if arch == "MixtralForCausalLM" else m.get("norm_topk_prob"),
+        shared_intermediate_size=shared, sparse=tuple(sparse),
+        router_aux_loss_coef=aux_default if aux is None else aux,
+        router_z_loss_coef=m.get("router_z_loss_coef"),
+    )
 
 
 def _show(value: Any) -> str:
@@ -243,6 +331,9 @@ def _architecture(d: dict[str, Any], source: str) -> str:
             f"{source}: architectures = {_show(archs)} is not a list of strings; expected a list of "
             f"model class names{hint}"
         )
+    if archs[0] in NOT_YET:
+        raise ModelLoadError(f"{source}: architecture {archs[0]!r} is not supported yet ({NOT_YET[archs[0]]}); "
+                             f"Strata supports {supported}")
     if archs[0] not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(f"{source}: unsupported architecture {archs[0]!r}; Strata supports {supported}")
     return archs[0]
@@ -436,6 +527,12 @@ class ModelConfig:
     final_logit_softcapping: float | None = None  # Gemma: cap * tanh(logits / cap)
     rope_local_theta: float | None = None  # Gemma: the sliding layers' rotary base (plain rotary)
     rotary_dim: int | None = None  # Phi-4-mini: rotate only the first head dims; None: all of head_dim
+    moe: MoEConfig | None = None  # mixture-of-experts MLPs (Mixtral, Qwen2/3-MoE, OLMoE)
+    qk_norm_whole: bool = False  # OLMoE: q/k norms over the whole projection, not per head
+    clip_qkv: float | None = None  # OLMoE: q, k and v clamped to [-clip, clip]
+
+    def is_moe_layer(self, i: int) -> bool:
+        return self.moe is not None and self.moe.sparse[i]
 
     @property
     def rotary_dims(self) -> int:
@@ -450,7 +547,7 @@ class ModelConfig:
         (no Gemma norms, GeGLU, scales or soft-capping, no partial rotary; windows are allowed: the
         attention leaf takes them)."""
         return (not self.gemma_norms and self.hidden_act == "silu" and self.rotary_dim in (None, self.head_dim)
-                and self.embed_scale is None and self.final_logit_softcapping is None)
+                and self.embed_scale is None and self.final_logit_softcapping is None and self.moe is None)
 
     @classmethod
     def from_dict(cls, d: Any, source: str = "config.json") -> ModelConfig:
@@ -504,6 +601,11 @@ class ModelConfig:
         family = _family_fields(arch, d, source, hidden, head_dim, max_positions, rope)
         windows = _layer_windows(arch, d, _Reader(d, source, FAMILY_SCHEMA), layers, sliding, source)
         bos = f.get("bos_token_id")
+        moe = _moe(arch, d, source, layers, inter) if arch in MOE_ARCHITECTURES else None
+        if moe is not None:
+            family.update(moe=moe, qk_norm_whole=arch == "OlmoeForCausalLM",
+                          clip_qkv=_Reader(d, source, MOE_SCHEMA).get("clip_qkv"))
+        qkv_bias = flags["qkv_bias"] and (arch != "Qwen2MoeForCausalLM" or _Reader(d, source, MOE_SCHEMA).get("qkv_bias"))
         dtype_name = f.get("torch_dtype") or f.get("dtype") or "float32"
         attention_bias = f.get("attention_bias")
         return cls(
@@ -522,7 +624,7 @@ class ModelConfig:
             # Gemma 3's configs leave it out: transformers' Gemma3TextConfig defaults it to true
             tie_word_embeddings=(f.get("tie_word_embeddings") if d.get("tie_word_embeddings") is not None
                                  else arch == "Gemma3ForCausalLM"),
-            qkv_bias=flags["qkv_bias"] or attention_bias,
+            qkv_bias=qkv_bias or attention_bias,
             o_bias=attention_bias and not arch.startswith("Qwen"),
             mlp_bias=f.get("mlp_bias"),
             qk_norm=flags["qk_norm"],
@@ -599,14 +701,24 @@ class ModelConfig:
             )
         return want
 
-    def num_params(self) -> int:
-        """Parameter count implied by the shapes (embeddings counted once when tied)."""
+    def num_params(self, active: bool = False) -> int:
+        """Parameter count implied by the shapes (embeddings counted once when tied); `active`: what
+        one token reads (an MoE layer's routed experts and shared expert, not all of them)."""
         h, d, i = self.hidden_size, self.head_dim, self.intermediate_size
         attn = h * d * (self.num_heads + 2 * self.num_kv_heads) + self.num_heads * d * h
         if self.qkv_bias:
             attn += d * (self.num_heads + 2 * self.num_kv_heads)
         if self.qk_norm:
-            attn += 2 * d
-        layer = attn + 3 * h * i + (4 if self.gemma_norms else 2) * h
+            attn += (self.num_heads + self.num_kv_heads) * d if self.qk_norm_whole else 2 * d
+        total = 0
+        for layer in range(self.num_layers):
+            mlp = 3 * h * i
+            if self.is_moe_layer(layer):
+                moe = self.moe
+                experts = moe.top_k if active else moe.num_experts
+                mlp = experts * 3 * h * moe.intermediate_size + moe.num_experts * h
+                if moe.shared_intermediate_size:
+                    mlp += 3 * h * moe.shared_intermediate_size + h
+            total += attn + mlp + (4 if self.gemma_norms else 2) * h
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * layer + emb + h
+        return total + emb + h

@@ -35,6 +35,8 @@ FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3")
 # against transformers by tests/graph/test_models_vs_hf.py and tests/engine/test_engine_vs_hf.py
 NEW_FAMILIES = ("gemma3", "phi3", "phi4mini")
 ALL_FAMILIES = FAMILIES + NEW_FAMILIES
+# mixture-of-experts families (graph/moe.py): tests/graph/test_moe.py, tests/engine/test_moe_engine.py
+MOE_FAMILIES = ("mixtral", "qwen2moe", "qwen3moe", "olmoe")
 VOCAB = 384
 EOS_ID = 2
 BOS_ID = 1
@@ -110,6 +112,24 @@ def _build_hf(family: str, vocab_size: int = VOCAB):
                           "long_factor": [1.5 + 0.5 * i for i in range(6)]},
         )
         cls = tf.Phi3ForCausalLM
+    elif family == "mixtral":  # 4 experts, top 2 (softmax, top-k, renormalised)
+        cfg = tf.MixtralConfig(**dict(common, intermediate_size=48), num_attention_heads=4, num_key_value_heads=2,
+                               num_local_experts=4, num_experts_per_tok=2)
+        cls = tf.MixtralForCausalLM
+    elif family == "qwen2moe":  # 8 experts top 2 + the gated shared expert; layer 1 dense (mlp_only_layers)
+        cfg = tf.Qwen2MoeConfig(**common, num_attention_heads=4, num_key_value_heads=2, num_experts=8,
+                                num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                                mlp_only_layers=[1], use_sliding_window=False, tie_word_embeddings=False)
+        cls = tf.Qwen2MoeForCausalLM
+    elif family == "qwen3moe":  # 8 experts top 3, norm_topk_prob, per-head q/k norms, head_dim 32
+        cfg = tf.Qwen3MoeConfig(**common, num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8,
+                                num_experts_per_tok=3, moe_intermediate_size=32, norm_topk_prob=True,
+                                use_sliding_window=False, tie_word_embeddings=True)
+        cls = tf.Qwen3MoeForCausalLM
+    elif family == "olmoe":  # 6 experts top 2, not renormalised, whole-projection q/k norms, clip_qkv
+        cfg = tf.OlmoeConfig(**dict(common, intermediate_size=40), num_attention_heads=4, num_key_value_heads=2,
+                             num_experts=6, num_experts_per_tok=2, clip_qkv=3.0, pad_token_id=0)
+        cls = tf.OlmoeForCausalLM
     else:
         raise ValueError(family)
     cfg._attn_implementation = "eager"
@@ -162,7 +182,7 @@ def make_tiny_model(family: str, out: Path, seed: int = 0, vocab_size: int = VOC
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, TinyModel]:
     root = tmp_path_factory.mktemp("models")
-    return {f: make_tiny_model(f, root / f, seed=i) for i, f in enumerate(ALL_FAMILIES)}
+    return {f: make_tiny_model(f, root / f, seed=i) for i, f in enumerate(ALL_FAMILIES + MOE_FAMILIES)}
 
 
 @pytest.fixture(params=FAMILIES)
@@ -173,6 +193,12 @@ def tiny_model(request, tiny_models) -> TinyModel:
 @pytest.fixture(params=ALL_FAMILIES)
 def family_model(request, tiny_models) -> TinyModel:
     """Every supported family (the Llama-shaped ones and Gemma 3 / Phi-3 / Phi-4-mini)."""
+    return tiny_models[request.param]
+
+
+@pytest.fixture(params=MOE_FAMILIES)
+def moe_model(request, tiny_models) -> TinyModel:
+    """Every mixture-of-experts family (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE)."""
     return tiny_models[request.param]
 
 

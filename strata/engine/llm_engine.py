@@ -21,6 +21,7 @@ from strata.engine.parallel import STOP, RankDied, encode_step
 from strata.engine.request import Request, SeqStatus
 from strata.engine.sampler import SamplerOutput
 from strata.errors import RequestError
+from strata.graph.moe import MoEBlock
 from strata.hardware.profile import HardwareProfile
 from strata.memory.blocks import KVUsage
 from strata.protocol.outputs import CompletionOutput, RequestOutput
@@ -125,7 +126,19 @@ class LLMEngine:
         finally:
             self.warming_up = False
         self.stage_seconds = dict.fromkeys(self.stage_seconds, 0.0)
+        for counts in self._expert_counters().values():  # the warm-up's routing is not the workload's
+            counts.zero_()
         return time.perf_counter() - t0
+
+    def _expert_counters(self) -> dict[int, torch.Tensor]:
+        layers = getattr(self.model, "layers", None) or []
+        return {i: layer.mlp.token_counts for i, layer in enumerate(layers)
+                if isinstance(getattr(layer, "mlp", None), MoEBlock)}
+
+    def expert_token_counts(self) -> dict[int, list[int]]:
+        """Tokens each expert of each MoE layer received so far, {layer: [count per expert]}
+        (prefill and decode; {} for a dense model). /metrics and the analyzer show these."""
+        return {i: c.tolist() for i, c in self._expert_counters().items()}
 
     # --- requests ------------------------------------------------------------------------
     def encode(self, prompt: str) -> list[int]:

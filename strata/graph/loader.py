@@ -35,6 +35,7 @@ from strata.graph.gguf_model import (
 from strata.graph.gguf_weights import fill as gguf_fill
 from strata.graph.hub import check_model_dir
 from strata.graph.models.llama import CausalLM
+from strata.graph.moe import MoEBlock
 from strata.graph.pread_file import READ_CHUNK_BYTES
 from strata.graph.safetensors_file import SafetensorsFile
 from strata.memory.arena import materialize_in_arena
@@ -178,22 +179,49 @@ def checkpoint_targets(model: CausalLM, cfg: ModelConfig) -> dict[str, _Target]:
         if cfg.qk_norm:
             t[f"{p}self_attn.q_norm.weight"] = _Target(attn.q_norm, "weight", None)
             t[f"{p}self_attn.k_norm.weight"] = _Target(attn.k_norm, "weight", None)
-        gate_up_rows = {"gate": slice(0, inter), "up": slice(inter, 2 * inter)}
-        if fused:
-            t[f"{p}mlp.gate_up_proj.weight"] = _Target(mlp.gate_up_proj, "weight", None)
-            gate_up_rows = {}
-        for name, rows in gate_up_rows.items():
-            t[f"{p}mlp.{name}_proj.weight"] = _Target(mlp.gate_up_proj, "weight", rows)
+        if cfg.is_moe_layer(i):  # the MoE layers' MLP tensors (no MLP bias in these families)
+            t.update(_moe_targets(layer.mlp, cfg, p))
+        else:
+            gate_up_rows = {"gate": slice(0, inter), "up": slice(inter, 2 * inter)}
+            if fused:
+                t[f"{p}mlp.gate_up_proj.weight"] = _Target(mlp.gate_up_proj, "weight", None)
+                gate_up_rows = {}
+            for name, rows in gate_up_rows.items():
+                t[f"{p}mlp.{name}_proj.weight"] = _Target(mlp.gate_up_proj, "weight", rows)
+                if cfg.mlp_bias:
+                    t[f"{p}mlp.{name}_proj.bias"] = _Target(mlp.gate_up_proj, "bias", rows)
+            t[f"{p}mlp.down_proj.weight"] = _Target(mlp.down_proj, "weight", None)
             if cfg.mlp_bias:
-                t[f"{p}mlp.{name}_proj.bias"] = _Target(mlp.gate_up_proj, "bias", rows)
-        t[f"{p}mlp.down_proj.weight"] = _Target(mlp.down_proj, "weight", None)
-        if cfg.mlp_bias:
-            t[f"{p}mlp.down_proj.bias"] = _Target(mlp.down_proj, "bias", None)
+                t[f"{p}mlp.down_proj.bias"] = _Target(mlp.down_proj, "bias", None)
         t[f"{p}input_layernorm.weight"] = _Target(layer.input_layernorm, "weight", None)
         t[f"{p}post_attention_layernorm.weight"] = _Target(layer.post_attention_layernorm, "weight", None)
         if cfg.gemma_norms:
             for name in ("pre_feedforward_layernorm", "post_feedforward_layernorm"):
                 t[f"{p}{name}.weight"] = _Target(getattr(layer, name), "weight", None)
+    return t
+
+
+def _gated_mlp_targets(mlp: nn.Module, prefix: str, names: tuple[str, str, str]) -> dict[str, _Target]:
+    """A GatedMLP's three checkpoint tensors (gate, up, down: the names differ by family)."""
+    inter = mlp.intermediate
+    gate, up, down = names
+    return {f"{prefix}{gate}.weight": _Target(mlp.gate_up_proj, "weight", slice(0, inter)),
+            f"{prefix}{up}.weight": _Target(mlp.gate_up_proj, "weight", slice(inter, 2 * inter)),
+            f"{prefix}{down}.weight": _Target(mlp.down_proj, "weight", None)}
+
+
+def _moe_targets(block: nn.Module, cfg: ModelConfig, p: str) -> dict[str, _Target]:
+    """An MoE layer's tensors: the router, each expert (Mixtral's block_sparse_moe.experts.E.w1/w3/w2,
+    the others' mlp.experts.E.gate_proj/up_proj/down_proj), Qwen2-MoE's shared expert and its gate."""
+    mixtral = cfg.architecture == "MixtralForCausalLM"
+    base = f"{p}block_sparse_moe." if mixtral else f"{p}mlp."
+    names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    t = {f"{base}gate.weight": _Target(block.gate, "weight", None)}
+    for e, expert in enumerate(block.experts):
+        t.update(_gated_mlp_targets(expert, f"{base}experts.{e}.", names))
+    if block.shared_expert is not None:
+        t.update(_gated_mlp_targets(block.shared_expert, f"{base}shared_expert.", names))
+        t[f"{base}shared_expert_gate.weight"] = _Target(block.shared_expert_gate, "weight", None)
     return t
 
 
@@ -361,5 +389,8 @@ def load_model(
     model.rotary.init_tables(device)
     if model.rotary_local is not None:
         model.rotary_local.init_tables(device)
+    for block in model.modules():
+        if isinstance(block, MoEBlock):
+            block.reset_token_counts(device)
     model.eval()
     return model

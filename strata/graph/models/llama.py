@@ -38,6 +38,7 @@ from strata.graph.layers import (
     apply_partial_rotary,
     apply_rotary,
 )
+from strata.graph.moe import MoEBlock
 from strata.graph.trace_gate import TRACE_GATE
 from strata.kernels.attention import (
     AttentionMetadata,
@@ -68,15 +69,24 @@ class Attention(nn.Module):
         self.rotary_dim = cfg.rotary_dims if cfg.rotary_dims != self.head_dim else None
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
-        self.q_norm = _norm(cfg, self.head_dim) if cfg.qk_norm else None
-        self.k_norm = _norm(cfg, self.head_dim) if cfg.qk_norm else None
+        # OLMoE normalises the whole q and k projections, the others each head
+        self.qk_norm_whole, self.clip_qkv = cfg.qk_norm_whole, cfg.clip_qkv
+        self.q_norm = _norm(cfg, self.q_size if cfg.qk_norm_whole else self.head_dim) if cfg.qk_norm else None
+        self.k_norm = _norm(cfg, self.kv_size if cfg.qk_norm_whole else self.head_dim) if cfg.qk_norm else None
 
     def _rotate(self, x, rope):
         return apply_rotary(x, rope) if self.rotary_dim is None else apply_partial_rotary(x, rope, self.rotary_dim)
 
     def forward(self, x, rope, meta: AttentionMetadata | None, kv_cache) -> torch.Tensor:
         qkv = self.qkv_proj(x)
-        if (meta is not None and self.q_norm is None and self.rotary_dim is None
+        if self.qk_norm_whole:  # OLMoE: norm the q and k projections whole, then clamp q, k, v
+            qkv = torch.cat((self.q_norm(qkv[..., : self.q_size]),
+                             self.k_norm(qkv[..., self.q_size : self.q_size + self.kv_size]),
+                             qkv[..., self.q_size + self.kv_size :]), dim=-1)
+            if self.clip_qkv is not None:
+                qkv = qkv.clamp(-self.clip_qkv, self.clip_qkv)
+        per_head_norm = self.q_norm is not None and not self.qk_norm_whole
+        if (meta is not None and not per_head_norm and self.rotary_dim is None
                 and fused_decode_usable(qkv, kv_cache, meta)):
             if self.window is None:
                 out = fused_decode_attention(qkv, rope, kv_cache, meta, self.heads, self.kv_heads, self.scale)
@@ -85,7 +95,7 @@ class Attention(nn.Module):
                                              self.window)
             return self.o_proj(out)
         lead = qkv.shape[:-1]
-        if self.q_norm is None and self.rotary_dim is None:
+        if not per_head_norm and self.rotary_dim is None:
             # q and k are adjacent in the fused output: rotate both in one pass
             qk = qkv[..., : self.q_size + self.kv_size].view(*lead, self.heads + self.kv_heads, self.head_dim)
             qk = apply_rotary(qk, rope)
@@ -93,7 +103,7 @@ class Attention(nn.Module):
         else:
             q = qkv[..., : self.q_size].view(*lead, self.heads, self.head_dim)
             k = qkv[..., self.q_size : self.q_size + self.kv_size].view(*lead, self.kv_heads, self.head_dim)
-            if self.q_norm is not None:
+            if per_head_norm:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = self._rotate(q, rope), self._rotate(k, rope)
         v = qkv[..., self.q_size + self.kv_size :].view(*lead, self.kv_heads, self.head_dim)
@@ -142,6 +152,14 @@ class DecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
+class MoEDecoderLayer(DecoderLayer):
+    """DecoderLayer whose MLP is the sparse mixture of experts (graph/moe.py)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
+        super().__init__(cfg, layer)
+        self.mlp = MoEBlock(cfg.hidden_size, cfg.moe, cfg.hidden_act)
+
+
 class GemmaDecoderLayer(nn.Module):
     """Gemma's layer: (1 + w) norms before and after both attention and the MLP ("sandwich"), the
     residual added after each post-norm. Same calling convention as DecoderLayer: returns (the
@@ -181,8 +199,10 @@ class CausalLM(nn.Module):
         on_meta = torch.empty(0).device.type == "meta"
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size) if on_meta else None)
-        layer_cls = GemmaDecoderLayer if cfg.gemma_norms else DecoderLayer
-        self.layers = nn.ModuleList(layer_cls(cfg, i) for i in range(cfg.num_layers))
+        def layer_cls(i: int) -> type[nn.Module]:
+            return GemmaDecoderLayer if cfg.gemma_norms else MoEDecoderLayer if cfg.is_moe_layer(i) else DecoderLayer
+
+        self.layers = nn.ModuleList(layer_cls(i)(cfg, i) for i in range(cfg.num_layers))
         self.norm = _norm(cfg, cfg.hidden_size)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
