@@ -12,7 +12,9 @@ read; no dense compute over all experts. Qwen2-MoE adds a shared expert on every
 sigmoid(shared_expert_gate(x)).
 
 `token_counts` counts the tokens each expert received (prefill and decode; /metrics and the
-analyzer read it): a statistic, never read by the forward.
+analyzer read it): a statistic, never read by the forward. `router_logits_sink`: None, or a list
+the forward appends each call's router logits [T, E] (fp32, with their graph) to, for the training
+losses (strata/train: Switch-style load balancing, router z-loss).
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ class MoEBlock(nn.Module):
                               if moe.shared_intermediate_size else None)
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if self.shared_expert is not None else None
         self.register_buffer("token_counts", torch.zeros(moe.num_experts, dtype=torch.int64), persistent=False)
+        self.router_logits_sink: list[torch.Tensor] | None = None
 
     def reset_token_counts(self, device: torch.device | str | None = None) -> None:
         """Zero the counters (on `device`: a model materialised from `meta` gets them here)."""
@@ -76,7 +79,9 @@ class MoEBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         rows = x.reshape(-1, shape[-1])
-        _, weights, ids = self.gate(rows)
+        logits, weights, ids = self.gate(rows)
+        if self.router_logits_sink is not None:
+            self.router_logits_sink.append(logits)
         out = self.routed(rows, weights, ids)
         if self.shared_expert is not None:
             gate = torch.sigmoid(F.linear(rows, self.shared_expert_gate.weight.to(rows.dtype)))
