@@ -109,16 +109,42 @@ if numba is not None:
                 out[j, c] += bias[c]
 
     @njit(cache=True)
-    def _layer(
+    def _norm_span(a, r, start, n, w, eps):  # pragma: no cover - compiled
+        """a[r, start:start+n] RMS-normed in place, as cpu_norm._add_rms_norm computes a row."""
+        ss = np.float32(0.0)
+        for c in range(n):
+            v = a[r, start + c]
+            ss += v * v
+        scale = np.float32(1.0) / np.sqrt(ss / np.float32(n) + eps)
+        for c in range(n):
+            a[r, start + c] = a[r, start + c] * scale * w[c]
+
+    @njit(cache=True)
+    def _qk_norm(qkv, qn, kn, heads, kv_heads, d, eps, whole, clip):  # pragma: no cover - compiled
+        """q/k RMSNorms in place: per head (Qwen3), or over the whole q and k projections (OLMoE,
+        which then clamps q, k and v to [-clip, clip] when clip > 0)."""
+        q_size, kv_size = heads * d, kv_heads * d
+        for r in range(qkv.shape[0]):
+            if whole:
+                _norm_span(qkv, r, 0, q_size, qn, eps)
+                _norm_span(qkv, r, q_size, kv_size, kn, eps)
+            else:
+                for hh in range(heads):
+                    _norm_span(qkv, r, hh * d, d, qn, eps)
+                for hh in range(kv_heads):
+                    _norm_span(qkv, r, q_size + hh * d, d, kn, eps)
+            if clip > 0:
+                for c in range(qkv.shape[1]):
+                    qkv[r, c] = min(max(qkv[r, c], -clip), clip)
+
+    @njit(cache=True)
+    def _attend(
         x, residual, has_residual, k_cache, v_cache,
-        # the layer's own (platform/cpu_layers.py builds these per layer): norms, then per projection
-        # (weight, scale, bias, group, vnni); attention shape
-        ln1, ln2, eps, wqkv, sqkv, bqkv, gqkv, vqkv, wo, so, bo, go, vo, wgu, sgu, ggu, vgu,
-        wd, sd, bd, gd, vd, heads, kv_heads, scale, window,
-        # the step's: rotary rows, KV slots and tables, thread count, scratch and output buffers
-        cos, sin, slots, tables, lens, threads, h, qkv, q3, attn3, attn, o, act, out, res_out,
+        ln1, ln2, eps, wqkv, sqkv, bqkv, gqkv, vqkv, wo, so, bo, go, vo, heads, kv_heads, scale, window,
+        qn, kn, qk_whole, clip,
+        cos, sin, slots, tables, lens, threads, h, qkv, q3, attn3, attn, o, res_out,
     ):  # pragma: no cover - compiled
-        # input norm; the residual stream lands in res_out (layer 0: the embedding itself)
+        """The layer up to its MLP: leaves the normed MLP input in h, the residual stream in res_out."""
         if has_residual:
             cpu_norm._add_rms_norm(x, residual, ln1, eps, h, res_out, True)
         else:
@@ -127,18 +153,91 @@ if numba is not None:
         project(wqkv, sqkv, h, qkv, gqkv, vqkv, threads)
         if bqkv.shape[0]:
             _add_bias(qkv, bqkv)
+        if qn.shape[0]:
+            _qk_norm(qkv, qn, kn, heads, kv_heads, q3.shape[2], eps, qk_whole, clip)
         cpu_rope._rope_store(qkv, cos, sin, slots, k_cache, v_cache, heads, kv_heads, q3)
         cpu_attention._paged_decode(q3, k_cache, v_cache, tables, lens, scale, window, attn3)
         project(wo, so, attn, o, go, vo, threads)
         if bo.shape[0]:
             _add_bias(o, bo)
         cpu_norm._add_rms_norm(o, res_out, ln2, eps, h, res_out, True)  # in place: each element read first
+
+    @njit(cache=True)
+    def _layer(
+        x, residual, has_residual, k_cache, v_cache,
+        # the layer's own (platform/cpu_layers.py builds these per layer): norms, then per projection
+        # (weight, scale, bias, group, vnni); attention shape; q/k norms (empty: none)
+        ln1, ln2, eps, wqkv, sqkv, bqkv, gqkv, vqkv, wo, so, bo, go, vo, wgu, sgu, ggu, vgu,
+        wd, sd, bd, gd, vd, heads, kv_heads, scale, window, qn, kn, qk_whole, clip,
+        # the step's: rotary rows, KV slots and tables, thread count, scratch and output buffers
+        cos, sin, slots, tables, lens, threads, h, qkv, q3, attn3, attn, o, act, out, res_out,
+    ):  # pragma: no cover - compiled
+        _attend(x, residual, has_residual, k_cache, v_cache, ln1, ln2, eps, wqkv, sqkv, bqkv, gqkv, vqkv,
+                wo, so, bo, go, vo, heads, kv_heads, scale, window, qn, kn, qk_whole, clip,
+                cos, sin, slots, tables, lens, threads, h, qkv, q3, attn3, attn, o, res_out)
         project_swiglu(wgu, sgu, h, act, ggu, vgu, threads)
         project(wd, sd, act, out, gd, vd, threads)
         if bd.shape[0]:
             _add_bias(out, bd)
 
+    @njit(cache=True)
+    def _moe_layer(
+        x, residual, has_residual, k_cache, v_cache,
+        ln1, ln2, eps, wqkv, sqkv, bqkv, gqkv, vqkv, wo, so, bo, go, vo, heads, kv_heads, scale, window,
+        qn, kn, qk_whole, clip,
+        cos, sin, slots, tables, lens, threads, h, qkv, q3, attn3, attn, o, act, out, res_out,
+    ):  # pragma: no cover - compiled
+        """An MoE layer's attention half (its experts run after the router: moe_experts)."""
+        _attend(x, residual, has_residual, k_cache, v_cache, ln1, ln2, eps, wqkv, sqkv, bqkv, gqkv, vqkv,
+                wo, so, bo, go, vo, heads, kv_heads, scale, window, qn, kn, qk_whole, clip,
+                cos, sin, slots, tables, lens, threads, h, qkv, q3, attn3, attn, o, res_out)
+
+    @njit(cache=True)
+    def moe_experts(h, ids, weights, wgu, sgu, ggu, vgu, wd, sd, gd, vd, xs, act, ys, who, wt, counts,
+                    threads, out):  # pragma: no cover - compiled
+        """out = sum over each row's picked experts of weight * expert(h row), one pass per expert
+        picked (its rows gathered into xs: the few-row kernels read its weights once), in expert
+        order as the eager block (graph/moe.py). wgu/sgu/wd/sd: typed lists, one entry per expert;
+        vgu/vd: the int8-activation choice by row count."""
+        rows, k = ids.shape
+        out[:] = 0
+        for e in range(len(wgu)):
+            n = 0
+            for r in range(rows):
+                for j in range(k):
+                    if ids[r, j] == e:
+                        xs[n] = h[r]
+                        who[n] = r
+                        wt[n] = weights[r, j]
+                        n += 1
+            if n == 0:
+                continue
+            counts[e] += n
+            project_swiglu(wgu[e], sgu[e], xs[:n], act[:n], ggu, vgu[n], threads)
+            project(wd[e], sd[e], act[:n], ys[:n], gd, vd[n], threads)
+            for i in range(n):
+                for c in range(out.shape[1]):
+                    out[who[i], c] += ys[i, c] * wt[i]
+
+    @njit(cache=True)
+    def shared_expert(h, wgu, sgu, ggu, vgu, wd, sd, gd, vd, gate, act, ys, threads, out):  # pragma: no cover
+        """out += sigmoid(h @ gate) * mlp(h): Qwen2-MoE's shared expert on every row."""
+        project_swiglu(wgu, sgu, h, act, ggu, vgu, threads)
+        project(wd, sd, act, ys, gd, vd, threads)
+        for r in range(h.shape[0]):
+            g = np.float32(0.0)
+            for c in range(h.shape[1]):
+                g += h[r, c] * gate[c]
+            g = np.float32(1.0) / (np.float32(1.0) + np.exp(-g))
+            for c in range(out.shape[1]):
+                out[r, c] += g * ys[r, c]
+
+    def expert_list(arrays: list) -> object:
+        """The arrays of every expert as one numba typed list (moe_experts indexes it by expert id)."""
+        return numba.typed.List(arrays)
+
     llama_layer = _layer  # the Llama-shaped layer's run (decode_layers' calling convention)
+    moe_attention = _moe_layer  # an MoE layer's attention half, same convention (out left untouched)
 
 
 def uses_vnni(fmt: str, n_in: int, rows: int, group: int) -> bool:

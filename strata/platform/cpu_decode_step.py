@@ -6,10 +6,10 @@ ModelRunner tries it first for every all-decode step (graph/decode_step.py). It 
 most MAX_ROWS fp32 rows on CPU with the "cpu" attention backend and one rotary table, over a KV
 cache the kernels read; for any other step it returns None and the model's forward runs. Each
 layer runs in the form its kind registered (platform/cpu_layers.py); a layer whose kind has none,
-or whose form refuses it (Qwen3's q/k norms, Phi-4-mini's partial rotary, a tensor-parallel
-shard), runs eagerly inside the same loop, that layer only, and the step logs which and why. A
-model none of whose layers fuse (Gemma 3, Qwen3) is left to its forward as a whole, so its
-outputs are the eager path's bit for bit.
+or whose form refuses it (Phi-4-mini's partial rotary, a tensor-parallel shard), runs eagerly
+inside the same loop, that layer only, and the step logs which and why. A model none of whose
+layers fuse (Gemma 3, Phi-4-mini) is left to its forward as a whole, so its outputs are the eager
+path's bit for bit.
 
 What the step keeps lives here, never on the model: buffers per row count, the layers'
 arguments (numpy views of weights, norms, biases, KV caches, kernel choices), the final norm's,

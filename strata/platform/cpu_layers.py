@@ -25,13 +25,14 @@ eagerly, with a log line naming its class.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import numpy as np
 import torch
 
-from strata.graph.layers import Linear
-from strata.graph.models.llama import DecoderLayer
+from strata.graph.layers import Linear, RMSNorm
+from strata.graph.models.llama import DecoderLayer, MoEDecoderLayer
 from strata.kernels import cpu_attention, cpu_decode_layer
 from strata.kernels.cpu_decode_layer import NO_ARRAY, uses_vnni
 
@@ -93,33 +94,135 @@ def kv_views(kv_cache: torch.Tensor) -> tuple | None:
     return cpu_attention.cache_views(kv_cache) if cpu_attention.reads_cache(kv_cache) else None
 
 
-@fused_layer(DecoderLayer)
-def llama_layer(layer: DecoderLayer, kv_cache: torch.Tensor, rows: int) -> tuple | str:
-    """Llama, Mistral, Qwen2, Phi-3: norm, qkv (+ bias), rotary + KV write, paged attention, o,
-    norm, SwiGLU, down, in one compiled call; fp32, bf16, int8 and int4 projections."""
-    attn, mlp = layer.self_attn, layer.mlp
-    if attn.q_norm is not None:
-        return "q/k norms"
+def _attention_args(layer, kv_cache: torch.Tensor, rows: int) -> tuple | str:
+    """The attention half's args (cpu_decode_layer._attend: norms, qkv and o projections, shape,
+    q/k norms) and the MLP-norm eps, or why this layer's attention cannot run fused."""
+    attn = layer.self_attn
     if attn.rotary_dim is not None:
         return "partial rotary"
-    if mlp.act != "silu":
-        return f"{mlp.act} MLP"
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
-    if any(n.weight.dtype is not torch.float32 or type(n.eps) is not float for n in norms) or norms[0].eps != norms[1].eps:
+    qk = (attn.q_norm, attn.k_norm) if attn.q_norm is not None else ()
+    if any(type(n) is not RMSNorm for n in (*norms, *qk)):
+        return "norms not plain RMSNorms"
+    if (any(n.weight.dtype is not torch.float32 or type(n.eps) is not float for n in (*norms, *qk))
+            or any(n.eps != norms[0].eps for n in (*norms, *qk))):
         return "norms not plain fp32 with one eps"
-    parts = [projection(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+    parts = [projection(m) for m in (attn.qkv_proj, attn.o_proj)]
     if any(p is None for p in parts):
         return "a projection without a fused kernel (tensor-parallel shard, another weight format, act-order input)"
-    (_, wq, sq, bq, gq), (_, wo, so, bo, go), (_, wg, sg, bg, gg), (_, wd, sd, bd, gd) = parts
-    if bg.shape[0]:
-        return "a gate/up bias (the SwiGLU kernels take none)"
     views = kv_views(kv_cache)
     if views is None:
         return "a KV cache the kernels do not read"
-    v = [vnni(p, rows) for p in parts]
+    (_, wq, sq, bq, gq), (_, wo, so, bo, go) = parts
+    qn, kn = (n.weight.detach().numpy() for n in qk) if qk else (NO_ARRAY, NO_ARRAY)
     own = (
         norms[0].weight.detach().numpy(), norms[1].weight.detach().numpy(), np.float32(norms[0].eps),
-        wq, sq, bq, gq, v[0], wo, so, bo, go, v[1], wg, sg, gg, v[2], wd, sd, bd, gd, v[3],
+        wq, sq, bq, gq, vnni(parts[0], rows), wo, so, bo, go, vnni(parts[1], rows),
         attn.heads, attn.kv_heads, np.float32(attn.scale), np.int64(attn.window or 0),
+        qn, kn, bool(attn.qk_norm_whole), np.float32(attn.clip_qkv or 0.0),
     )
-    return cpu_decode_layer.llama_layer, (*views, *own)
+    return views, own
+
+
+def _mlp_parts(mlp) -> tuple | str:
+    """A gated SiLU MLP's (gate_up, down) projections, or why it cannot run fused."""
+    if mlp.act != "silu":
+        return f"{mlp.act} MLP"
+    parts = (projection(mlp.gate_up_proj), projection(mlp.down_proj))
+    if any(p is None for p in parts):
+        return "a projection without a fused kernel (tensor-parallel shard, another weight format, act-order input)"
+    if parts[0][3].shape[0]:
+        return "a gate/up bias (the SwiGLU kernels take none)"
+    return parts
+
+
+@fused_layer(DecoderLayer)
+def llama_layer(layer: DecoderLayer, kv_cache: torch.Tensor, rows: int) -> tuple | str:
+    """Llama, Mistral, Qwen2, Qwen3, Phi-3: norm, qkv (+ bias, + q/k norms), rotary + KV write,
+    paged attention, o, norm, SwiGLU, down, in one compiled call; fp32, bf16, int8 and int4."""
+    attention = _attention_args(layer, kv_cache, rows)
+    if isinstance(attention, str):
+        return attention
+    mlp = _mlp_parts(layer.mlp)
+    if isinstance(mlp, str):
+        return mlp
+    views, own = attention
+    (_, wg, sg, _, gg), (_, wd, sd, bd, gd) = mlp
+    ffn = (wg, sg, gg, vnni(mlp[0], rows), wd, sd, bd, gd, vnni(mlp[1], rows))
+    # _layer's order: norms and the attention projections, the MLP's, then shape and q/k norms
+    return cpu_decode_layer.llama_layer, (*views, *own[:13], *ffn, *own[13:])
+
+
+class _Experts:
+    """An MoE block's experts as the compiled dispatch takes them: typed lists of each expert's
+    (weight, scale) per projection, built once per block and weights (a list of 128 experts costs
+    ~10 ms to build: not per row count), plus the int8-activation choice by rows."""
+
+    _memo: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    @classmethod
+    def of(cls, experts, rows: int) -> tuple | str:
+        ptrs = tuple(p.data_ptr() for e in experts for p in e.parameters()) + tuple(
+            b.data_ptr() for e in experts for b in e.buffers())
+        memo = cls._memo.get(experts)
+        if memo is None or memo[0] != ptrs:
+            memo = cls._memo[experts] = (ptrs, cls._lists(experts))
+        lists = memo[1]
+        if isinstance(lists, str):
+            return lists
+        wgu, sgu, wd, sd, gu_part, d_part = lists
+        vgu = np.array([vnni(gu_part, n) for n in range(rows + 1)])
+        vd = np.array([vnni(d_part, n) for n in range(rows + 1)])
+        return wgu, sgu, gu_part[4], vgu, wd, sd, d_part[4], vd
+
+    @staticmethod
+    def _lists(experts) -> tuple | str:
+        parts = [_mlp_parts(e) for e in experts]
+        bad = next((p for p in parts if isinstance(p, str)), None)
+        if bad is not None:
+            return bad
+        kinds = {(p[0][0], p[0][2].ndim, p[0][4], p[1][0], p[1][2].ndim, p[1][4]) for p in parts}
+        if len(kinds) > 1:
+            return "experts in different weight formats"
+        typed = cpu_decode_layer.expert_list
+        return (typed([p[0][1] for p in parts]), typed([p[0][2] for p in parts]),
+                typed([p[1][1] for p in parts]), typed([p[1][2] for p in parts]), parts[0][0], parts[0][1])
+
+
+def _moe_run(x, residual, has_residual, attention, block, experts, shared, *step):
+    """An MoE layer: the compiled attention half, the block's own router (the eager ops, so ties
+    break the same), the compiled expert dispatch, then the shared expert where there is one."""
+    cpu_decode_layer.moe_attention(x, residual, has_residual, *attention, *step)
+    h, threads, out = step[6], step[5], step[-2]
+    _, weights, ids = block.gate(torch.from_numpy(h))
+    cpu_decode_layer.moe_experts(h, ids.numpy(), weights.numpy(), *experts, threads, out)
+    if shared is not None:
+        cpu_decode_layer.shared_expert(h, *shared, threads, out)
+
+
+@fused_layer(MoEDecoderLayer)
+def moe_layer(layer: MoEDecoderLayer, kv_cache: torch.Tensor, rows: int) -> tuple | str:
+    """Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE: the attention half compiled as the Llama layer's, the
+    routed experts gathered by expert id (only the experts some row picked are read)."""
+    attention = _attention_args(layer, kv_cache, rows)
+    if isinstance(attention, str):
+        return attention
+    block = layer.mlp
+    experts = _Experts.of(block.experts, rows)
+    if isinstance(experts, str):
+        return experts
+    hidden, inter = block.gate.weight.shape[1], block.experts[0].intermediate
+    scratch = (np.empty((rows, hidden), np.float32), np.empty((rows, inter), np.float32),
+               np.empty((rows, hidden), np.float32), np.empty(rows, np.int64), np.empty(rows, np.float32))
+    shared = None
+    if block.shared_expert is not None:
+        parts = _mlp_parts(block.shared_expert)
+        gate = block.shared_expert_gate.weight
+        if isinstance(parts, str) or gate.dtype is not torch.float32:
+            return f"shared expert: {parts if isinstance(parts, str) else 'a gate not fp32'}"
+        (_, wg, sg, _, gg), (_, wd, sd, _, gd) = parts
+        shared = (wg, sg, gg, vnni(parts[0], rows), wd, sd, gd, vnni(parts[1], rows), gate.detach().numpy()[0],
+                  np.empty((rows, block.shared_expert.intermediate), np.float32), np.empty((rows, hidden), np.float32))
+    views, own = attention
+    counts = block.token_counts.numpy() if block.token_counts.is_cpu else np.zeros(block.num_experts, np.int64)
+    return _moe_run, ((*views, *own), block, (*experts, *scratch, counts), shared)

@@ -13,8 +13,10 @@ from strata.platform import cpu_decode_step as cpu_decode
 
 pytestmark = pytest.mark.skipif(not cpu_decode_layer.available(), reason="numba is not installed")
 
-FUSED = {"llama", "llama3", "mistral", "qwen2", "phi3"}  # Llama-shaped layers: one call per layer
-EAGER = {"qwen3": "q/k norms", "gemma3": "sandwich norms, GeGLU", "phi4mini": "partial rotary"}
+# Llama-shaped layers (Qwen3: + q/k norms): one call per layer; the MoE families' layers: the
+# compiled attention half, the router, the compiled expert dispatch
+FUSED = {"llama", "llama3", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen2moe", "qwen3moe", "olmoe"}
+EAGER = {"gemma3": "sandwich norms, GeGLU", "phi4mini": "partial rotary"}
 
 
 @pytest.fixture
@@ -71,6 +73,18 @@ def test_fused_decode_weight_formats(quantization, threads, tiny_models, llm_fac
     llm = llm_factory(tiny_models["qwen2"], quantization=quantization, num_threads=threads,
                       enable_prefix_caching=False)  # qwen2: q/k/v biases too
     prompts = [prompt_of(10 + i, 5 + 4 * i) for i in range(3)] + [prompt_of(20, 1)]
+    fused = _run(llm, prompts, monkeypatch, True)
+    assert count_fused
+    _assert_same(fused, _run(llm, prompts, monkeypatch, False), 1e-5)
+
+
+@pytest.mark.parametrize("quantization", ["bf16", "int8", "int4"])
+@pytest.mark.parametrize("family", ["qwen2moe", "qwen3moe"])
+def test_fused_moe_decode_weight_formats(family, quantization, tiny_models, llm_factory, prompt_of, monkeypatch,
+                                         count_fused):
+    """The experts' dispatch in every weight format (Qwen2-MoE: + the shared expert), 2 threads."""
+    llm = llm_factory(tiny_models[family], quantization=quantization, num_threads=2, enable_prefix_caching=False)
+    prompts = [prompt_of(30 + i, 4 + 5 * i) for i in range(3)]
     fused = _run(llm, prompts, monkeypatch, True)
     assert count_fused
     _assert_same(fused, _run(llm, prompts, monkeypatch, False), 1e-5)
