@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from strata.analyze.analyze_moe import ExpertLoad, expert_load
 from strata.analyze.analyze_run import (
     PROFILE_EVERY,
     Measurement,
@@ -76,6 +77,7 @@ class Analysis:
     device: dict[str, Any]
     ttft_s: list[float]
     tpot_s: list[float]
+    experts: ExpertLoad | None = None  # MoE models: hot experts and load imbalance of the run
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -136,5 +138,5 @@ def analyze_engine(engine, w: Workload, profile=None, progress=None) -> Analysis
         phases=ph, top_ops=m.top_ops, requests=reqs, verdict=verdict(m, cats, ph, ctx),
         device={"name": dev.name, "mem_gbs": dev.mem_gbs, "stream_gbs": dev.stream_gbs,
                 "few_rows_gflops": dev.few_rows_gflops, "gemm_gflops": dev.gemm_gflops, "few_rows": dev.few_rows},
-        ttft_s=ttft, tpot_s=tpot,
+        ttft_s=ttft, tpot_s=tpot, experts=expert_load(engine.expert_token_counts()),
     )

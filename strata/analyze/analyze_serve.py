@@ -18,6 +18,8 @@ from typing import Any
 
 import httpx
 
+from strata.analyze.analyze_moe import ExpertLoad, expert_load
+from strata.analyze.analyze_moe import format_lines as expert_lines
 from strata.analyze.analyze_verdict import QUEUE_SHARE, TOKENIZE_SHARE, Action, Verdict
 from strata.bench.serve_client import run_benchmark
 
@@ -42,6 +44,8 @@ def scrape(url: str) -> dict[str, float]:
                 out["stage:" + sample.labels["stage"]] = sample.value
             elif sample.name == "strata_engine_step_seconds_total" and "phase" in sample.labels:
                 out["phase:" + sample.labels["phase"]] = sample.value
+            elif sample.name == "strata_moe_expert_tokens_total" and "expert" in sample.labels:
+                out[f"expert:{sample.labels['layer']}:{sample.labels['expert']}"] = sample.value
     return out
 
 
@@ -55,6 +59,7 @@ class ServeAnalysis:
     bench: dict[str, Any]
     verdict: Verdict
     notes: list[str] = field(default_factory=list)
+    experts: ExpertLoad | None = None  # MoE models: hot experts and load imbalance under this load
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -142,7 +147,18 @@ def analyze_serve(server_args: list[str], model_label: str, bench_cfg, max_num_s
     v = serve_verdict(stage, engine, result.completed, max_num_seqs, result.max_concurrency_observed, crossover)
     bench = {k: getattr(result, k) for k in ("completed", "failed", "duration_s", "request_throughput",
                                               "output_throughput", "ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")}
-    return ServeAnalysis(model_label, result.duration_s, result.completed, stage, engine, bench, v)
+    return ServeAnalysis(model_label, result.duration_s, result.completed, stage, engine, bench, v,
+                         experts=expert_load(expert_counts(delta)))
+
+
+def expert_counts(scraped: dict[str, float]) -> dict[str, list[int]]:
+    """{layer: [tokens per expert]} from scrape()'s "expert:LAYER:E" entries."""
+    out: dict[str, dict[int, int]] = {}
+    for key, value in scraped.items():
+        if key.startswith("expert:"):
+            _, layer, e = key.split(":")
+            out.setdefault(layer, {})[int(e)] = int(value)
+    return {layer: [by_e.get(e, 0) for e in range(max(by_e) + 1)] for layer, by_e in out.items()}
 
 
 def format_text(a: ServeAnalysis) -> str:
@@ -155,6 +171,7 @@ def format_text(a: ServeAnalysis) -> str:
     for s in STAGES:
         out.append(f"  {s:12s} {a.stage_s[s]:9.3f} s  {a.stage_s[s] / total:6.1%}")
     out.append("engine loop: " + ", ".join(f"{k} {v:.2f} s" for k, v in a.engine_s.items()))
+    out += expert_lines(a.experts)
     out += ["", f"verdict: limited by {a.verdict.layer}", f"  {a.verdict.evidence}"]
     out += [f"  {i}. {x.flag}: {x.why} (predicted: {x.predicted_gain})" for i, x in enumerate(a.verdict.actions, 1)]
     return "\n".join(out)

@@ -369,7 +369,8 @@ class LLMEngine:
             kv_token_bytes=usage.token_bytes, kv_waste_bytes=usage.waste_bytes,
             preemptions=sch.num_preemptions, prefix_queries=pc.queries, prefix_hits=pc.hits,
             prefix_evictions=pc.evictions, steps=self.num_steps, stage_seconds=dict(self.stage_seconds),
-            prefill_cap=self.policy.prefill_cap or 0, **spec,
+            prefill_cap=self.policy.prefill_cap or 0,
+            expert_tokens={str(i): c for i, c in self.expert_token_counts().items()}, **spec,
         )
 
     def check_blocks(self) -> None:

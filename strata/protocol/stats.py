@@ -29,3 +29,4 @@ class EngineStats:
     spec_accepted: int = 0
     spec_emitted: int = 0
     prefill_cap: int = 0  # decode-first: prefill tokens a step may take while sequences decode (0: no cap)
+    expert_tokens: dict = field(default_factory=dict)  # MoE: {"layer": [tokens each expert received]}

@@ -84,6 +84,9 @@ class Metrics:
                                      ["model_name"], registry=r)
         self.spec_tokens_per_step = Gauge("strata_spec_decode_tokens_per_step", "tokens a drafting sequence "
                                           "gains per step (accepted + 1) since start", ["model_name"], registry=r)
+        # mixture of experts: tokens routed to each expert of each MoE layer (hot experts, imbalance)
+        self.expert_tokens = Counter("strata_moe_expert_tokens", "tokens routed to an expert (prefill and decode)",
+                                     ["layer", "expert", "model_name"], registry=r)
         self.in_flight = Gauge("strata_http_requests_in_flight", "generation requests being served", ["model_name"], registry=r)
         # GPU start-up checks (hardware/startup_checks.py): 0/1 for alerts, and the detail as an info gauge
         self.gpu_check_warning = Gauge("strata_gpu_check_warning", "1 when a GPU start-up check warned "
@@ -126,6 +129,12 @@ class Metrics:
         if s.spec_drafted:
             self.spec_acceptance.set(s.spec_accepted / s.spec_drafted)
             self.spec_tokens_per_step.set(s.spec_emitted / s.spec_steps)
+        for layer, counts in s.expert_tokens.items():
+            before = last.expert_tokens.get(layer, ())
+            for e, n in enumerate(counts):
+                delta = n - (before[e] if e < len(before) else 0)
+                if delta > 0:
+                    self.expert_tokens.labels(layer, str(e)).inc(delta)
         for phase, secs in s.stage_seconds.items():
             delta = secs - last.stage_seconds.get(phase, 0.0)
             if delta > 0:

@@ -75,7 +75,8 @@ def analyze_recorded(monkeypatch, m: Measurement, profile, model_config: ModelCo
     """analyze_engine over a recorded run: the same context (shape, device, int8 alternative),
     attribution, phases and verdict as a live run, with run_offline replaced by the record."""
     fake = SimpleNamespace(model_config=model_config, dtype=torch.float32, model_path="(recorded)",
-                           config=EngineConfig(dtype="float32", **config), warm_up=lambda: None)
+                           config=EngineConfig(dtype="float32", **config), warm_up=lambda: None,
+                           expert_token_counts=dict)  # a dense model: no expert counts
     monkeypatch.setattr(analyze_mod, "run_offline", lambda engine, w, progress=False: m)
     return analyze_engine(fake, Workload(), profile=profile)
 
