@@ -41,11 +41,16 @@ logger = logging.getLogger(__name__)
 
 POINTER = GGUF_POINTER  # in a derived directory: the GGUF files that hold its weights
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "phi3": "Phi3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+                 "phi3": "Phi3ForCausalLM", "gemma3": "Gemma3ForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
+                 "qwen3moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}  # llama + experts: Mixtral
+# whether llama.cpp renormalises the top-k routing weights (its build_moe_ffn norm_w, fixed per
+# architecture: the file carries no norm_topk_prob), which a GGUF load follows
+_NORM_TOPK = {"MixtralForCausalLM": True, "Qwen3MoeForCausalLM": True, "Qwen2MoeForCausalLM": False,
+              "OlmoeForCausalLM": False}
 # architectures whose norm weights the converter stored as 1 + w (Gemma's RMSNorm scales by 1 + w)
 NORM_SHIFT = {"Gemma3ForCausalLM": 1.0}
 # the (HF) architectures whose q/k rows llama.cpp's converter permutes (its LlamaModel: GGUF "llama")
-PERMUTED_QK = ("LlamaForCausalLM", "MistralForCausalLM")
+PERMUTED_QK = ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM")
 
 _LAYER = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -57,7 +62,14 @@ _LAYER = {
     "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    # MoE: the router, Qwen2-MoE's shared expert and its gate (the experts: expert_names)
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight", "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight", "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
 }
+# an MoE layer's experts, one 3-D tensor [experts, out, in] per projection: (HF name, Mixtral's)
+_EXPERTS = {"ffn_gate_exps.weight": ("gate_proj", "w1"), "ffn_up_exps.weight": ("up_proj", "w3"),
+            "ffn_down_exps.weight": ("down_proj", "w2")}
 # the architectures whose layer tensors differ from Llama's names (by HF architecture)
 _LAYER_BY_ARCH = {
     # Phi-3 / Phi-4-mini: q/k/v and gate/up stay fused, as in their HF checkpoints
@@ -66,6 +78,7 @@ _LAYER_BY_ARCH = {
     "Gemma3ForCausalLM": {"post_attention_norm.weight": "post_attention_layernorm.weight",
                           "ffn_norm.weight": "pre_feedforward_layernorm.weight",
                           "post_ffw_norm.weight": "post_feedforward_layernorm.weight"},
+    "MixtralForCausalLM": {"ffn_gate_inp.weight": "block_sparse_moe.gate.weight"},
 }
 _GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
            "output.weight": "lm_head.weight"}
@@ -83,6 +96,38 @@ def hf_name(name: str, architecture: str = "LlamaForCausalLM") -> str | None:
         if parts[2] in layer:
             return f"model.layers.{parts[1]}.{layer[parts[2]]}"
     return None
+
+
+def expert_names(name: str, architecture: str, experts: int) -> list[str] | None:
+    """The HF names of expert 0..experts-1's slices of a 3-D expert tensor (None: not one)."""
+    parts = name.split(".", 2)
+    if not (len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _EXPERTS):
+        return None
+    hf, mixtral = _EXPERTS[parts[2]]
+    if architecture == "MixtralForCausalLM":
+        return [f"model.layers.{parts[1]}.block_sparse_moe.experts.{e}.{mixtral}.weight" for e in range(experts)]
+    return [f"model.layers.{parts[1]}.mlp.experts.{e}.{hf}.weight" for e in range(experts)]
+
+
+def _moe(meta: dict[str, Any], cfg: dict[str, Any], tensors: dict[str, TensorInfo], arch: str, source: str) -> None:
+    """An MoE file's fields: expert counts and width, llama.cpp's routing normalisation, the layers
+    with no router (Qwen MoE's mlp_only_layers), Qwen2-MoE's shared expert, OLMoE's clamp."""
+    a = arch + "."
+    experts = _get(meta, a + "expert_count", source)
+    name = "MixtralForCausalLM" if arch == "llama" else ARCHITECTURES[arch]
+    cfg["architectures"] = [name]
+    cfg["num_local_experts" if arch == "llama" else "num_experts"] = experts
+    cfg["num_experts_per_tok"] = _get(meta, a + "expert_used_count", source)
+    cfg["norm_topk_prob"] = _NORM_TOPK[name]
+    if arch in ("qwen2moe", "qwen3moe"):
+        cfg["moe_intermediate_size"] = _get(meta, a + "expert_feed_forward_length", source)
+        cfg["mlp_only_layers"] = [i for i in range(cfg["num_hidden_layers"]) if f"blk.{i}.ffn_gate_inp.weight" not in tensors]
+    if arch == "qwen2moe":
+        cfg["shared_expert_intermediate_size"] = _get(meta, a + "expert_shared_feed_forward_length", source, int, 0)
+        cfg["qkv_bias"] = "blk.0.attn_q.bias" in tensors
+    clamp = meta.get(a + "attention.clamp_kqv")
+    if arch == "olmoe" and isinstance(clamp, int | float) and clamp > 0:
+        cfg["clip_qkv"] = float(clamp)
 
 
 def unpermute_rows(rows: int, heads: int) -> np.ndarray:
@@ -212,12 +257,14 @@ def hf_config(meta: dict[str, Any], tensors: dict[str, TensorInfo], rope_freqs: 
         _phi3(meta, cfg, factors or {}, source)
     elif arch == "gemma3":
         _gemma3(meta, cfg, source)
+    if meta.get(a + "expert_count"):
+        _moe(meta, cfg, tensors, arch, source)
     return cfg
 
 
 # Part of a derived directory's key: bump it when what gguf_model_dir writes changes, so a
 # directory written by an older Strata is not reused.
-DERIVED_VERSION = 4
+DERIVED_VERSION = 5
 
 
 def _key(files: list[Path]) -> str:
@@ -289,7 +336,7 @@ def gguf_model_dir(path: Path) -> Path:
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     for name, text in files_text.items():
         (tmp / name).write_text(text)
-    types = Counter(t.type.name for n, t in tensors.items() if n.startswith("blk.") and len(t.shape) == 2)
+    types = Counter(t.type.name for n, t in tensors.items() if n.startswith("blk.") and len(t.shape) >= 2)
     pointer = {"files": [str(f.resolve()) for f in files], "projection_types": dict(types.most_common()),
                "tensor_types": {n: t.type.name for n, t in tensors.items()}}
     (tmp / POINTER).write_text(json.dumps(pointer, indent=2))
@@ -363,11 +410,13 @@ def _module_of(hf: str, tied: bool) -> str | None:
     """Our (fused) projection module for an HF weight name (graph/loader.checkpoint_targets)."""
     if hf == "lm_head.weight" or (tied and hf == "model.embed_tokens.weight"):
         return "lm_head"
-    m = re.fullmatch(r"model\.(layers\.\d+)\.(self_attn|mlp)\.(\w+)_proj\.weight", hf)
-    if not m:
+    m = re.fullmatch(r"model\.(layers\.\d+)\.(self_attn|mlp|mlp\.experts\.\d+|mlp\.shared_expert|"
+                     r"block_sparse_moe\.experts\.\d+)\.(\w+?)(_proj)?\.weight", hf)
+    if not m or (m[4] is None and m[3] not in ("w1", "w2", "w3")):
         return None
-    fused = {"q": "qkv", "k": "qkv", "v": "qkv", "gate": "gate_up", "up": "gate_up"}.get(m[3], m[3])
-    return f"{m[1]}.{m[2]}.{fused}_proj"
+    fused = {"q": "qkv", "k": "qkv", "v": "qkv", "gate": "gate_up", "up": "gate_up", "w1": "gate_up",
+             "w3": "gate_up", "w2": "down"}.get(m[3], m[3])
+    return f"{m[1]}.{m[2].replace('block_sparse_moe', 'mlp')}.{fused}_proj"
 
 
 EXACT = ("Q4_0", "Q8_0", "Q5_0", "Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "BF16", "F16", "F32")  # held bit for bit
@@ -397,11 +446,13 @@ def gguf_formats(directory: Path, tied: bool, storage: str | None) -> dict[str, 
     types = json.loads((directory / POINTER).read_text()).get("tensor_types") or {}
     architecture = (json.loads((directory / "config.json").read_text()).get("architectures") or ["?"])[0]
     kinds: dict[str, set[str]] = {}
+    config = json.loads((directory / "config.json").read_text())
+    experts = config.get("num_experts") or config.get("num_local_experts") or 0
     for name, kind in types.items():
-        hf = hf_name(name, architecture)
-        module = _module_of(hf, tied) if hf else None
-        if module:
-            kinds.setdefault(module, set()).add(kind)
+        for hf in expert_names(name, architecture, experts) or [hf_name(name, architecture)]:
+            module = _module_of(hf, tied) if hf else None
+            if module:
+                kinds.setdefault(module, set()).add(kind)
     out = {}
     for module, held in kinds.items():
         layout = _layout(held, storage)

@@ -131,10 +131,11 @@ def _blocks_into_np(kind: T, raw: np.ndarray, module: QuantLinear, rows: slice) 
 
 
 def fill(g: GGUFFile, info: TensorInfo, module, attr: str, rows: slice | None, permute_heads: int | None,
-         shift: float = 0.0) -> None:
+         shift: float = 0.0, expert: int | None = None) -> None:
     """Read GGUF tensor `info` into `module.attr` (rows `rows` of a fused weight; None: whole).
     permute_heads: the head count whose q/k row permutation to undo (None: stored in HF order).
-    shift: subtracted from a 1-D tensor (Gemma's norms, stored by the converter as 1 + w)."""
+    shift: subtracted from a 1-D tensor (Gemma's norms, stored by the converter as 1 + w).
+    expert: read that expert's [out, in] slice of a 3-D expert tensor [experts, out, in]."""
     check_type(info)
     if len(info.shape) == 1:  # a norm or a bias: whole, in its own dtype
         values = rows_as_float(info, g.read(info, 0, 1)).reshape(-1)
@@ -145,7 +146,8 @@ def fill(g: GGUFFile, info: TensorInfo, module, attr: str, rows: slice | None, p
         param = getattr(module, attr)
         (param if rows is None else param[rows]).copy_(values)
         return
-    n = info.shape[0]
+    n = info.shape[-2]
+    first = 0 if expert is None else expert * n  # the source rows: an expert's slice of the stack
     cols = info.shape[-1]
     start = 0 if rows is None else rows.start
     quantised = isinstance(module, QuantLinear) and attr == "weight"
@@ -159,7 +161,7 @@ def fill(g: GGUFFile, info: TensorInfo, module, attr: str, rows: slice | None, p
     order = None if permute_heads is None else unpermute_rows(unit, 1)
     for a in range(0, n, step):
         b = min(n, a + step)
-        raw = g.read(info, a, b)
+        raw = g.read(info, first + a, first + b)
         if order is not None:  # each head's rows back in HF order
             raw = raw.reshape(-1, unit, raw.shape[1])[:, order].reshape(b - a, -1)
         if exact_q4:

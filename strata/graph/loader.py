@@ -28,6 +28,7 @@ from strata.graph.gguf_model import (
     CONFIG_TENSORS,
     NORM_SHIFT,
     PERMUTED_QK,
+    expert_names,
     gguf_files,
     gguf_formats,
     hf_name,
@@ -299,16 +300,22 @@ def _fill_from_gguf(files: list[Path], targets: dict[str, _Target], cfg: ModelCo
                     ignored: list[str]) -> None:
     """The GGUF path of load_model: llama.cpp tensor names mapped to the targets' HF names."""
     permuted = cfg.architecture in PERMUTED_QK
+    experts = cfg.moe.num_experts if cfg.moe is not None else 0
     for file in files:
         with GGUFFile(file) as g:
             for name, info in g.tensors.items():
+                stacked = expert_names(name, cfg.architecture, experts)
+                if stacked is not None:  # an MoE layer's experts, one slice of the stack each
+                    _fill_experts(g, info, stacked, targets, file, loaded)
+                    continue
                 hf = hf_name(name, cfg.architecture)
                 target = targets.get(hf) if hf else None
                 if target is None:
                     if name not in CONFIG_TENSORS:  # read into config.json's rope_scaling already
                         ignored.append(name)
                     continue
-                if info.shape != target.shape:
+                vector = len(info.shape) == 1 and target.shape == (1, *info.shape)  # a gate [1, h] stored [h]
+                if info.shape != target.shape and not vector:
                     raise ModelLoadError(
                         f"{file.name}: tensor {name!r} has shape {list(info.shape)}, but the GGUF metadata "
                         f"implies {list(target.shape)}; the file is inconsistent"
@@ -321,6 +328,19 @@ def _fill_from_gguf(files: list[Path], targets: dict[str, _Target], cfg: ModelCo
                 shift = NORM_SHIFT.get(cfg.architecture, 0.0) if name.endswith("norm.weight") else 0.0
                 gguf_fill(g, info, target.module, target.attr, target.rows, heads, shift)
                 loaded.add(hf)
+
+
+def _fill_experts(g: GGUFFile, info, names: list[str], targets: dict[str, _Target], file: Path,
+                  loaded: set[str]) -> None:
+    """A 3-D expert tensor [experts, out, in] into each expert's projection rows."""
+    for e, hf in enumerate(names):
+        target = targets.get(hf)
+        if target is None or len(info.shape) != 3 or info.shape[0] != len(names) or info.shape[1:] != target.shape:
+            want = [len(names), *target.shape] if target is not None else "an MoE layer's experts"
+            raise ModelLoadError(f"{file.name}: tensor {info.name!r} has shape {list(info.shape)}, but the GGUF "
+                                 f"metadata implies {want}; the file is inconsistent")
+        gguf_fill(g, info, target.module, target.attr, target.rows, None, 0.0, expert=e)
+        loaded.add(hf)
 
 
 def load_model(

@@ -13,7 +13,9 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-        "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3", "Gemma3ForCausalLM": "gemma3"}
+        "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3", "Gemma3ForCausalLM": "gemma3",
+        "MixtralForCausalLM": "llama", "Qwen2MoeForCausalLM": "qwen2moe", "Qwen3MoeForCausalLM": "qwen3moe",
+        "OlmoeForCausalLM": "olmoe"}
 # Gemma 3's norms (llama.cpp's names; their weights stored as 1 + w, as the converter's norm_shift)
 _GEMMA3 = {"post_attention_layernorm.weight": "post_attention_norm.weight",
            "pre_feedforward_layernorm.weight": "ffn_norm.weight",
@@ -28,7 +30,24 @@ _LAYER = {
     "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
     "self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight",  # Phi-3's, fused
+    # MoE (transformers >= 5 names): the router, Qwen2-MoE's shared expert and its gate (a vector in
+    # llama.cpp's files); the experts' 3-D tensors are split by _expert_tensors
+    "mlp.gate.weight": "ffn_gate_inp.weight", "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight", "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+    "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
 }
+
+
+def _expert_tensors(hf: str, w: np.ndarray) -> list[tuple[str, np.ndarray]]:
+    """transformers' stacked experts as llama.cpp's: gate_up [E, 2i, h] -> ffn_gate_exps and
+    ffn_up_exps [E, i, h]; down [E, h, i] -> ffn_down_exps."""
+    if not hf.endswith(("experts.gate_up_proj", "experts.down_proj")):
+        return []
+    layer = hf.split(".")[2]
+    if hf.endswith("experts.gate_up_proj"):
+        half = w.shape[1] // 2
+        return [(f"blk.{layer}.ffn_gate_exps.weight", w[:, :half]), (f"blk.{layer}.ffn_up_exps.weight", w[:, half:])]
+    return [(f"blk.{layer}.ffn_down_exps.weight", w)]
 
 
 def _permute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -107,6 +126,18 @@ def write_gguf(hf_model, path: Path, matrix_type: T = T.F32, embed_type: T | Non
     tensors: list[tuple[str, np.ndarray, T]] = []
     reference: dict[str, torch.Tensor] = {}
     for hf, p in hf_model.state_dict().items():
+        stacked = _expert_tensors(hf, p.detach().float().numpy())
+        if stacked:
+            backs = []
+            for name, w in stacked:
+                kind = next((t for end, t in (types or {}).items() if name.endswith(end)), matrix_type)
+                rows = w.reshape(-1, w.shape[-1])
+                data = (_random_k_blocks(*rows.shape, kind, seed=len(tensors)) if kind in _K_FP16 else rows
+                        if kind == T.F32 else rows.astype(np.float16) if kind == T.F16 else gguf.quants.quantize(rows, kind))
+                tensors.append((name, data.reshape(*w.shape[:-1], data.shape[-1]), kind))
+                backs.append(torch.from_numpy(np.asarray(gguf.quants.dequantize(data, kind), np.float32).reshape(w.shape).copy()))
+            reference[hf] = torch.cat(backs, dim=1)
+            continue
         name = _gguf_name(hf, arch)
         if name is None or (hf == "lm_head.weight" and cfg.tie_word_embeddings):
             continue
@@ -118,7 +149,9 @@ def write_gguf(hf_model, path: Path, matrix_type: T = T.F32, embed_type: T | Non
         elif arch == "llama" and "k_proj" in hf:
             w = _permute(w, kv_heads)
         kind = T.F32
-        if w.ndim == 2:
+        if name.endswith("ffn_gate_inp_shexp.weight"):
+            w = w.reshape(-1)  # llama.cpp's shape: a vector
+        if w.ndim == 2 and not name.endswith("ffn_gate_inp.weight"):  # routers stay F32 (as llama-quantize leaves them)
             kind = (embed_type or matrix_type) if name in ("token_embd.weight", "output.weight") else matrix_type
             kind = next((t for end, t in (types or {}).items() if name.endswith(end)), kind)
         if kind in _K_FP16:
@@ -132,7 +165,7 @@ def write_gguf(hf_model, path: Path, matrix_type: T = T.F32, embed_type: T | Non
         if arch == "llama" and ("q_proj" in hf or "k_proj" in hf):  # the reference is in HF row order
             h = heads if "q_proj" in hf else kv_heads
             back = back.reshape(h, head_dim // 2, 2, *back.shape[1:]).transpose(1, 2).reshape(back.shape)
-        reference[hf] = back - shift
+        reference[hf] = (back - shift).reshape(p.shape)
     if _rope(cfg).get("rope_type") == "llama3":
         tensors.append(("rope_freqs.weight", _llama3_factors(cfg), T.F32))
     if arch == "phi3" and _rope(cfg).get("long_factor"):  # longrope, as convert_hf_to_gguf.py writes it
@@ -157,6 +190,16 @@ def write_gguf(hf_model, path: Path, matrix_type: T = T.F32, embed_type: T | Non
             w.add_vocab_size(cfg.vocab_size)
             w.add_bos_token_id(cfg.bos_token_id)
             w.add_eos_token_id(cfg.eos_token_id)
+            experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)
+            if experts:
+                w.add_expert_count(experts)
+                w.add_expert_used_count(cfg.num_experts_per_tok)
+                if arch in ("qwen2moe", "qwen3moe"):
+                    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+                if arch == "qwen2moe":
+                    w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+                if arch == "olmoe" and cfg.clip_qkv:
+                    w.add_clamp_kqv(cfg.clip_qkv)
             if arch == "gemma3":
                 w.add_sliding_window(cfg.sliding_window)
                 if cfg.final_logit_softcapping:

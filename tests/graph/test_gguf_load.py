@@ -389,3 +389,46 @@ def test_compiled_k_quant_repack_equals_the_numpy_twin(kind, layout):
     gguf_weights._blocks_into(kind, raw, fast, slice(0, rows))
     gguf_weights._blocks_into_np(kind, raw, slow, slice(0, rows))
     assert torch.equal(fast.qweight, slow.qweight) and torch.equal(fast.scale, slow.scale)
+
+
+@pytest.mark.parametrize("family,kind,types", [
+    ("mixtral", T.F32, None), ("mixtral", T.F16, None), ("olmoe", T.F32, None),
+    ("qwen3moe", T.Q8_0, None), ("qwen3moe", T.Q4_0, None), ("qwen3moe", T.Q4_1, None),
+    ("qwen2moe", T.Q8_0, {"ffn_down_shexp.weight": T.F16}),
+], ids=lambda v: getattr(v, "name", None) or ("mixed" if isinstance(v, dict) else v))
+def test_moe_gguf_logits_equal_the_dequantized_reference(tiny_models, tmp_path, prompt_of, family, kind, types):
+    """llama.cpp's MoE layout: 3-D expert stacks (ffn_*_exps) split into each expert's projection,
+    the router F32, Qwen2-MoE's shared expert (its gate a vector); the loader's layouts hold the
+    quantised stacks exactly (Q4_0 / Q4_1 experts: int4 group 32)."""
+    tiny = tiny_models[family]
+    path = tmp_path / f"{family}.gguf"
+    reference = write_gguf(tiny.hf, path, kind, types=types)
+    ids = prompt_of(2, 40)
+    want = _reference_logits(tiny, reference, ids)
+    # held exactly in int8 / int4 (a float tensor among them would be requantised: those load in fp32)
+    storage = None if types else {T.Q8_0: "int8", T.Q4_0: "int4", T.Q4_1: "int4"}.get(kind)
+    torch.testing.assert_close(_strata_logits(path, ids, storage, 32), want, atol=ATOL, rtol=1e-5)
+    from strata.model_config import ModelConfig
+
+    cfg = ModelConfig.from_file(check_model_dir(path) / "config.json")
+    assert cfg.architecture == tiny.hf.config.architectures[0] and cfg.moe is not None
+    assert cfg.moe.sparse == tuple(tiny.hf.config.to_dict().get("mlp_only_layers") and
+                                   [i not in tiny.hf.config.mlp_only_layers for i in range(2)] or [True, True])
+
+
+def test_moe_gguf_serves_greedy_as_the_reference(tiny_models, tmp_path, prompt_of):
+    """The engine on a Q8_0 Qwen3-MoE file (served int8, exact; the fused decode's expert dispatch):
+    greedy tokens equal transformers' on the weights the file dequantizes to."""
+    from strata import LLM, SamplingParams
+
+    tiny = tiny_models["qwen3moe"]
+    path = tmp_path / "qwen3moe-q8_0.gguf"
+    reference = write_gguf(tiny.hf, path, T.Q8_0)
+    prompt = prompt_of(4, 12)
+    ids = list(prompt)
+    for _ in range(16):
+        ids.append(int(_reference_logits(tiny, reference, ids)[-1].argmax()))
+    llm = LLM(model=str(path), max_model_len=96, block_size=16, kv_cache_memory="1MiB", num_threads=1)
+    assert llm.engine.config.quantization == "int8"
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    assert out[0].outputs[0].token_ids == ids[len(prompt):]
