@@ -3,14 +3,16 @@ model fitted to them.
 
 Starts N ranks on this host (python -m strata.comm.bench_worker; loopback rendezvous; every rank
 reaped whatever happens), times all-reduce (SHM and gloo on CPU, NCCL on CUDA; plus the
-compressed all-reduce with bf16/fp16 on the wire), all-gather and broadcast over the sizes, and
-prints one table per algorithm: size, time (median over repetitions, with p10-p90), algbw = size /
-time and busbw = algbw x 2(n-1)/n (all-reduce), x (n-1)/n (all-gather), x 1 (broadcast), and the
-fitted model's time and error at that size. Then the fit per algorithm (alpha, beta; formulas in
+compressed all-reduce with bf16/fp16 on the wire), all-gather, broadcast and all-to-all (SHM and
+gloo on CPU, NCCL on CUDA; size = the bytes each rank sends, split evenly, counts known) over the
+sizes, and prints one table per algorithm: size, time (median over repetitions, with p10-p90),
+algbw = size / time and busbw = algbw x 2(n-1)/n (all-reduce), x (n-1)/n (all-gather,
+all-to-all), x 1 (broadcast), and the fitted model's time and error at that size. Then the fit per algorithm (alpha, beta; formulas in
 strata/comm/alpha_beta.py), the compressed all-reduce's numeric error against an fp64 sum, and
 where SHM and gloo cross. The fit is stored in this machine's cached hardware profile (unless
 --no-profile), where `strata plan --hardware thisxN` prices the tensor-parallel all-reduce from it
-and Communicator(cost=cached_comm_model()) picks SHM or gloo per message.
+(and CommModel.all_to_all_seconds the expert-parallel exchange) and
+Communicator(cost=cached_comm_model()) picks SHM or gloo per message.
 """
 
 from __future__ import annotations
@@ -43,12 +45,13 @@ FULL_SIZES = "8B:256MiB"
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--world-size", type=int, default=2, help="ranks to start on this host (default 2)")
     p.add_argument("--backend", choices=("auto", "gloo", "nccl", "shm"), default="auto",
-                   help="all-reduce transports: auto = NCCL with enough GPUs, else SHM and gloo")
+                   help="all-reduce and all-to-all transports: auto = NCCL with enough GPUs, else SHM and gloo")
     p.add_argument("--sizes", default=None,
                    help=f"LO:HI (geometric by --factor) or a comma list, e.g. 8B:1MiB (default {DEFAULT_SIZES})")
     p.add_argument("--full", action="store_true", help=f"sizes {FULL_SIZES}")
     p.add_argument("--factor", type=int, default=2, help="size step of LO:HI (default 2)")
-    p.add_argument("--collectives", default="all_reduce,all_gather,broadcast", help="comma-separated collectives to time")
+    p.add_argument("--collectives", default="all_reduce,all_gather,broadcast,all_to_all",
+                   help="comma-separated collectives to time")
     p.add_argument("--compress", default="bfloat16,float16",
                    help="comm dtypes of the compressed all-reduce ('none' to skip)")
     p.add_argument("--budget-s", type=float, default=0.15, help="time per point (default 0.15 s)")
@@ -202,6 +205,17 @@ def crossover(model: CommModel, n: int, a: str = "shm", b: str = "gloo") -> floa
     return hi
 
 
+def shm_vs_gloo_all_to_all(model: CommModel, n: int, sizes: tuple[int, ...] = (4096, 65536, 2**20)) -> str:
+    """The two fits side by side at a few bytes-per-rank ('' unless both are fitted)."""
+    if model.get("all_to_all", "shm") is None or model.get("all_to_all", "gloo") is None:
+        return ""
+    parts = []
+    for s in sizes:
+        shm, gloo = model.predict("all_to_all", "shm", s, n), model.predict("all_to_all", "gloo", s, n)
+        parts.append(f"{fmt_bytes(s)} per rank {shm * 1e6:.1f} vs {gloo * 1e6:.1f} us ({gloo / shm:.1f}x)")
+    return "; ".join(parts)
+
+
 def run(args: argparse.Namespace) -> int:
     if args.passes < 1:
         raise ConfigError(f"--passes: must be >= 1, got {args.passes}")
@@ -209,7 +223,7 @@ def run(args: argparse.Namespace) -> int:
     sizes = parse_sizes(args.sizes or (FULL_SIZES if args.full else DEFAULT_SIZES), args.factor)
     t0 = time.perf_counter()
     print(f"strata bench comm: {args.world_size} ranks on {socket.gethostname()} (loopback), "
-          f"{device}, all-reduce via {transports}, {len(sizes)} sizes {fmt_bytes(sizes[0])}..{fmt_bytes(sizes[-1])}")
+          f"{device}, all-reduce/all-to-all via {transports}, {len(sizes)} sizes {fmt_bytes(sizes[0])}..{fmt_bytes(sizes[-1])}")
     raw = run_ranks(args, device, transports, sizes)
     model, errs = fit_points(raw)
     print(f"{raw['threads_per_rank']} thread(s) per rank; SHM all-reduce {raw['shm_state']}")
@@ -220,6 +234,9 @@ def run(args: argparse.Namespace) -> int:
     if model.get("all_reduce", "shm") and model.get("all_reduce", "gloo"):
         print("\nSHM vs gloo all-reduce: " + (f"gloo is cheaper above ~{fmt_bytes(cross)}" if cross
                                              else "SHM is cheaper at every size (in the fitted model)"))
+    a2a = shm_vs_gloo_all_to_all(model, args.world_size)
+    if a2a:
+        print("\nSHM vs gloo all-to-all (fitted): " + a2a)
     profile_path = None
     if not args.no_profile:
         profile_path = str(save_comm_model("cuda:0" if device == "cuda" else "cpu", model))

@@ -13,6 +13,11 @@ socket round trip), beta = the bytes per second one step moves:
                                                               slot, reads the n slots, writes S
     all_gather  ring            t = (n-1) a + (n-1)/n S/b     S = the gathered (output) bytes
     broadcast   tree            t = ceil(log2 n) a + S/b      pipelined down a tree
+    all_to_all  pairwise        t = (n-1) a + (n-1)/n S/b     S = the bytes each rank sends (its
+                                                              whole buffer, own share included);
+                                                              S/n to each of n-1 peers (gloo, NCCL)
+    all_to_all  shm             t = a + 2 S/b                 one barrier; a rank writes S into its
+                                                              slot and copies S out of the slots
 
 For measurements at one n the model t = A(n) a + B(n) S / b is linear in (a, 1/b); the fit is
 weighted least squares on the relative error, sum(((t_model - t) / t)^2), so the microsecond
@@ -23,7 +28,7 @@ that outgrows the caches pays DRAM's bandwidth. So a fit is piecewise: up to thr
 size regimes, each with its own alpha and beta, the breakpoints and their number chosen from
 the measurements (fit()), as NCCL's tuner keeps one latency and bandwidth per protocol.
 nccl-tests' bus bandwidth, the figure comparable across n: algbw = S / t, and busbw = algbw x
-2(n-1)/n (all-reduce), x (n-1)/n (all-gather), x 1 (broadcast).
+2(n-1)/n (all-reduce), x (n-1)/n (all-gather, all-to-all), x 1 (broadcast).
 """
 
 from __future__ import annotations
@@ -41,19 +46,23 @@ FORMULAS = {
     "shm": (lambda n: 1.0, lambda n: n + 2.0),
     "ring_gather": (lambda n: n - 1, lambda n: (n - 1) / n),
     "tree_bcast": (lambda n: math.ceil(math.log2(n)), lambda n: 1.0),
+    "pairwise": (lambda n: n - 1, lambda n: (n - 1) / n),
+    "shm_a2a": (lambda n: 1.0, lambda n: 2.0),
 }
 FORMULA_TEXT = {
     "ring": "2(n-1)*a + 2(n-1)/n*S/b", "tree": "log2(n)*a + log2(n)*S/b", "shm": "a + (n+2)*S/b",
     "ring_gather": "(n-1)*a + (n-1)/n*S/b", "tree_bcast": "ceil(log2 n)*a + S/b",
+    "pairwise": "(n-1)*a + (n-1)/n*S/b", "shm_a2a": "a + 2*S/b",
 }
 # which formula each (collective, transport) runs
 ALGORITHM = {
     ("all_reduce", "shm"): "shm", ("all_reduce", "gloo"): "ring", ("all_reduce", "nccl"): "ring",
     ("all_gather", "gloo"): "ring_gather", ("all_gather", "nccl"): "ring_gather",
     ("broadcast", "gloo"): "tree_bcast", ("broadcast", "nccl"): "tree_bcast",
+    ("all_to_all", "shm"): "shm_a2a", ("all_to_all", "gloo"): "pairwise", ("all_to_all", "nccl"): "pairwise",
 }
 BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
-              "broadcast": lambda n: 1.0}
+              "broadcast": lambda n: 1.0, "all_to_all": lambda n: (n - 1) / n}
 
 
 def algorithm_for(collective: str, transport: str) -> str:
@@ -91,7 +100,7 @@ class Fit:
     outgrowing the caches) gets up to MAX_SEGMENTS, as NCCL's tuner keeps a latency and a
     bandwidth per protocol (LL, LL128, Simple) and switches by size."""
 
-    collective: str  # all_reduce | all_gather | broadcast
+    collective: str  # all_reduce | all_gather | broadcast | all_to_all
     transport: str  # shm | gloo | nccl (+ "+bfloat16" / "+float16": compressed all-reduce)
     algorithm: str  # a FORMULAS key
     world_size: int  # n of the measurements
@@ -261,6 +270,13 @@ class CommModel:
                 if transports is None or t in transports]
         opts = [(t, s) for t, s in opts if s is not None]
         return min(opts, key=lambda o: o[1]) if opts else None
+
+    def all_to_all_seconds(self, nbytes: float, n: int, transports: list[str] | None = None) -> float | None:
+        """One all-to-all in which every rank sends `nbytes` (its whole buffer), on the cheapest
+        fitted transport (of `transports`); None when none is fitted. Price an uneven exchange at
+        its busiest rank's bytes (sent or received): the collective ends when that rank does."""
+        best = self.best("all_to_all", nbytes, n, transports)
+        return None if best is None else best[1]
 
     def merged(self, newer: CommModel) -> CommModel:
         """`newer`'s fits, plus ours for (collective, transport, n) it did not measure."""

@@ -1,6 +1,7 @@
 """One rank of `strata bench comm` (strata/bench/comm.py starts N of these with launch.LocalRanks):
-times every (collective, transport, size) point and the compressed all-reduce's numeric error;
-rank 0 writes the raw figures as JSON for the parent to tabulate and fit.
+times every (collective, transport, size) point (all-reduce and all-to-all on each transport) and
+the compressed all-reduce's numeric error; rank 0 writes the raw figures as JSON for the parent
+to tabulate and fit.
 
 The points are timed in several passes over the whole list, and a point's figures are over the
 repetitions of all its passes together (median, p10, p90), with each pass's median kept: on a
@@ -49,16 +50,27 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def split(numel: int, n: int) -> list[int]:
+    """All-to-all counts: `numel` elements as evenly over n ranks as they go (the first get one
+    more); every rank sends the same, so rank j receives n x split[j]."""
+    return [numel // n + (j < numel % n) for j in range(n)]
+
+
 def _op(comm: Communicator, collective: str, transport: str, t: torch.Tensor):
     if collective == "all_reduce":
         return lambda: comm.all_reduce(t, transport=transport)
+    if collective == "all_to_all":  # the counts known (a combine): the data exchange alone
+        n, sends = comm.world_size, split(t.numel(), comm.world_size)
+        recvs = [sends[comm.rank]] * n
+        return lambda: comm.all_to_all(t, sends, recvs, transport=transport)
     if collective == "all_gather":
         return lambda: comm.all_gather(t, 0)
     return lambda: comm.broadcast(t, 0)
 
 
 def _numel(collective: str, nbytes: int, n: int, itemsize: int) -> int:
-    """all_gather's size is the gathered output (nccl-tests' convention); 0: size too small."""
+    """all_gather's size is the gathered output (nccl-tests' convention), all_to_all's what one
+    rank sends (its whole buffer, as nccl-tests' alltoall); 0: size too small."""
     per = nbytes // (n if collective == "all_gather" else 1)
     return per // itemsize
 
@@ -130,8 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--out", required=True)
     p.add_argument("--sizes", required=True, help="comma-separated byte counts")
-    p.add_argument("--transports", default="shm,gloo", help="all-reduce transports (shm, gloo, nccl)")
-    p.add_argument("--collectives", default="all_reduce,all_gather,broadcast")
+    p.add_argument("--transports", default="shm,gloo", help="all-reduce / all-to-all transports (shm, gloo, nccl)")
+    p.add_argument("--collectives", default="all_reduce,all_gather,broadcast,all_to_all")
     p.add_argument("--compress", default="bfloat16,float16", help="comm dtypes of the compressed all-reduce")
     p.add_argument("--compress-sizes", default="65536,4194304")
     p.add_argument("--device", default="cpu")
@@ -155,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     other = "nccl" if device.startswith("cuda") else "gloo"
     specs, errors, t0 = [], [], time.perf_counter()
     for collective in args.collectives.split(","):
-        algos = transports if collective == "all_reduce" else [other]
+        algos = transports if collective in ("all_reduce", "all_to_all") else [other]
         if collective == "all_reduce":
             algos = algos + [f"{t}+{c}" for c in args.compress.split(",") if c for t in transports]
         # every transport at every size: a compressed transport's cache-to-DRAM knee needs as

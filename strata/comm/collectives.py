@@ -1,4 +1,4 @@
-"""Collectives behind one small interface: all_reduce, all_gather, broadcast (+ bytes).
+"""Collectives behind one small interface: all_reduce, all_gather, all_to_all, broadcast (+ bytes).
 
 The model's tensor-parallel layers and the engine's step broadcast call a Communicator; which
 transport and algorithm runs is its business:
@@ -9,6 +9,9 @@ transport and algorithm runs is its business:
       profile: `strata bench comm` measures it) picks per message size; without one, SHM;
   CUDA tensors: NCCL; CPU tensors and bytes on an NCCL communicator go over a gloo group created
       alongside (as vLLM does), since NCCL moves only CUDA tensors.
+all_to_all (MoE expert parallelism: rows to the rank owning their expert and back) runs on SHM
+for CPU tensors on one host (shm.py), else all_to_all_single on gloo (CPU; gloo has the uneven
+form on CPU) or NCCL; the counts are exchanged first unless the caller knows them.
 `comm_dtype` ("bfloat16"/"float16") is the compressed all-reduce: fp32 tensors are reduced at 16
 bits (SHM: 16-bit slots summed in fp32 straight into the fp32 tensor; gloo/NCCL: cast, reduce,
 cast back). Every collective is bounded by the world's timeout (world.collective_timeout_s).
@@ -45,6 +48,22 @@ def parse_comm_dtype(value: str | torch.dtype | None) -> torch.dtype | None:
     if isinstance(value, str) and value.lower() in ("none", "float32", "fp32", ""):
         return None
     raise ConfigError(f"comm_dtype {value!r}: choose bfloat16 or float16 (or None for full precision)")
+
+
+def _split_counts(t: Tensor, send_counts: list[int] | None, n: int) -> list[int]:
+    """all_to_all's send counts, checked against `t` (None: an equal split)."""
+    if t.dim() < 1:
+        raise ValueError("all_to_all: needs a tensor of rows (at least one dimension)")
+    rows = t.shape[0]
+    if send_counts is None:
+        if rows % n:
+            raise ValueError(f"all_to_all: {rows} rows do not split equally over {n} ranks; pass send_counts")
+        return [rows // n] * n
+    counts = [int(c) for c in send_counts]
+    if len(counts) != n or min(counts) < 0 or sum(counts) != rows:
+        raise ValueError(f"all_to_all: send_counts {counts} must be {n} counts >= 0 summing to the "
+                         f"{rows} rows of the tensor")
+    return counts
 
 
 class Communicator:
@@ -197,6 +216,52 @@ class Communicator:
         group = self.meta_group if t.device.type == "cpu" else self.group
         dist.all_gather(parts, t.contiguous(), group=group)
         return torch.cat(parts, dim=dim)
+
+    def all_to_all(self, t: Tensor, send_counts: list[int] | None = None, recv_counts: list[int] | None = None,
+                   *, transport: str | None = None) -> tuple[Tensor, list[int]]:
+        """MoE's exchange: `t`'s rows ([sum(send_counts), ...], ordered by destination rank) go
+        send_counts[j] to rank j; returns the rows this rank received, ordered by source rank, and
+        how many came from each. `send_counts=None`: equal split (rows divisible by the world
+        size). `recv_counts`, when the caller knows them (the combine after a dispatch: the
+        dispatch's send counts), skips the count exchange on gloo/NCCL; SHM checks them.
+        `transport` as all_reduce's; by default SHM for CPU tensors on one host, whatever the
+        size: ranks send different sizes, so a per-size choice could differ between ranks. A
+        world of one returns `t` itself."""
+        if KERNEL_MODE.get().named:
+            with record_function("strata::comm.all_to_all"):
+                return self._all_to_all(t, send_counts, recv_counts, transport)
+        return self._all_to_all(t, send_counts, recv_counts, transport)
+
+    def _all_to_all(self, t: Tensor, send_counts: list[int] | None, recv_counts: list[int] | None,
+                    transport: str | None) -> tuple[Tensor, list[int]]:
+        n = self.world_size
+        if send_counts is None and recv_counts is None:  # equal split: every rank holds as many rows
+            recv_counts = _split_counts(t, None, n)
+        send_counts = _split_counts(t, send_counts, n)
+        if n == 1:
+            self.last_transport = "none"
+            return t, list(send_counts)
+        cpu = t.device.type == "cpu"
+        path = transport or ("shm" if cpu and self.setup_shm() else "gloo" if cpu else self.backend)
+        self.last_transport = path
+        if path == "shm":
+            if not cpu or not self.setup_shm():
+                raise ConfigError(f"all_to_all(transport='shm'): {self.shm_state if cpu else 'needs a CPU tensor'}")
+            out, got = self._shm.all_to_all(t, send_counts)
+            if recv_counts is not None and list(recv_counts) != got:
+                raise ValueError(f"all_to_all on rank {self.rank}: recv_counts {list(recv_counts)}, "
+                                 f"but the ranks sent {got}")
+            return out, got
+        group = self.meta_group if cpu else self.group
+        if recv_counts is None:
+            sent = torch.tensor(send_counts, dtype=torch.int64)
+            got_t = torch.empty(n, dtype=torch.int64)
+            dist.all_to_all_single(got_t, sent, group=self.meta_group)
+            recv_counts = got_t.tolist()
+        out = t.new_empty((sum(recv_counts), *t.shape[1:]))
+        dist.all_to_all_single(out, t.contiguous(), output_split_sizes=list(recv_counts),
+                               input_split_sizes=list(send_counts), group=group)
+        return out, list(recv_counts)
 
     def broadcast(self, t: Tensor, src: int = 0) -> Tensor:
         """`src`'s `t` to every rank, in place; `src` is a rank of this communicator's group."""

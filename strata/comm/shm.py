@@ -1,5 +1,6 @@
-"""Shared-memory all-reduce for the ranks of one host (CPU tensors), the approach of vLLM's CPU
-communicator and DeepSpeed's SHM all-reduce: no sockets, one copy in and one pass of adds.
+"""Shared-memory all-reduce and all-to-all for the ranks of one host (CPU tensors), the approach of
+vLLM's CPU communicator and DeepSpeed's SHM all-reduce: no sockets, one copy in and one pass of
+adds (all-reduce) or one copy out (all-to-all).
 
 The region (a /dev/shm file rank 0 creates, named to the others over gloo, unlinked as soon as
 every rank has mapped it, so nothing is left behind even when a rank is killed):
@@ -18,12 +19,22 @@ adds the same slots in the same order, so every rank ends with bitwise the same 
 make one barrier per round enough: a rank that posts round r+2 (overwriting buffer r % 2) has seen
 every rank post r+1, which each did only after it finished reading round r.
 16-bit tensors are summed in fp32 and rounded once; integers in their own type (wrapping as
-gloo does). Ordering relies on x86-64 store order (TSO) plus the GIL/torch calls between the copy
+gloo does).
+
+The all-to-all (MoE dispatch and combine) uses the same slots and barriers: a rank's slot holds
+a header [row bytes, its n send counts] and then a chunk of its send buffer (rows ordered by
+destination); after the barrier each rank copies the bytes addressed to it out of every slot.
+The header travels with the first chunk, so the counts cost no extra barrier; every rank then
+knows every rank's buffer length and runs the same number of rounds (the longest buffer's
+chunks). Any dtype: bytes are copied, never summed.
+Ordering relies on x86-64 store order (TSO) plus the GIL/torch calls between the copy
 and the flag store; other architectures would want an explicit fence here.
 """
 
 from __future__ import annotations
 
+import ctypes
+import math
 import mmap
 import os
 import secrets
@@ -169,13 +180,15 @@ class ShmRegion:
 
 
 class ShmAllReduce:
-    """The all-reduce over one mapped region; one per process group (see setup())."""
+    """The all-reduce and the all-to-all over one mapped region; one per process group (see
+    setup()). Both share the round counter, so they interleave in any order."""
 
     def __init__(self, region: ShmRegion, rank: int, timeout_s: float, check_pids: bool = True) -> None:
         self.region, self.rank, self.n = region, rank, region.n
         self.timeout_s = float(timeout_s)
         self.slot_bytes = region.slot_bytes
         self.broken: str | None = None
+        self._what = "all-reduce"  # the collective in progress, for error messages
         self._round = 0
         self._flags = struct.Struct("=" + "q56x" * (self.n - 1) + "q")
         self._my_flag = region.ctl_off + LINE * rank
@@ -187,8 +200,12 @@ class ShmAllReduce:
         u8 = torch.frombuffer(region.mm, dtype=torch.uint8, count=2 * self.n * self.slot_bytes,
                               offset=region.data_off)
         self._u8 = u8.view(2, self.n, self.slot_bytes)
+        self._data = u8.data_ptr()  # the data area's address (the all-to-all's memmoves)
         self._views: dict[torch.dtype, list[list[Tensor]]] = {}
         self._scratch: Tensor | None = None
+        # all-to-all slot header: [row bytes, n send counts], padded to whole lines
+        self._head = struct.Struct(f"={self.n + 1}q")
+        self.head_bytes = -(-self._head.size // LINE) * LINE
 
     @staticmethod
     def supports(t: Tensor, wire: torch.dtype | None = None) -> bool:
@@ -208,8 +225,7 @@ class ShmAllReduce:
     def all_reduce(self, t: Tensor, wire: torch.dtype | None = None) -> Tensor:
         """Sum `t` (contiguous, CPU) over the ranks in place; `wire` is the slot dtype (None: t's
         own; bfloat16/float16 for fp32 tensors is the compressed all-reduce)."""
-        if self.broken:
-            raise CommError(f"shared-memory all-reduce unusable after an earlier failure: {self.broken}")
+        self._usable("all-reduce")
         wire = t.dtype if wire is None else wire
         flat = t.view(-1)
         per = self.chunk_elements(wire)
@@ -243,6 +259,73 @@ class ShmAllReduce:
                     dst.add_(s)
         return t
 
+    def all_to_all(self, t: Tensor, send_counts: list[int]) -> tuple[Tensor, list[int]]:
+        """Rows of `t` (CPU, [sum(send_counts), ...], ordered by destination) to the ranks:
+        send_counts[j] rows to rank j. Returns the rows received, ordered by source rank, and
+        how many each rank sent here. Every rank's rows must have the same bytes (the header
+        says; a mismatch is a ValueError on every rank, after which the region is still usable).
+        Bytes move by memmove: a torch copy costs ~2 us of dispatch per slice, which at small
+        sizes was most of the collective."""
+        self._usable("all-to-all")
+        per = self.slot_bytes - self.head_bytes  # send-buffer bytes per round
+        if per <= 0:
+            raise ValueError(f"all_to_all: slot_bytes {self.slot_bytes} leaves no room after the "
+                             f"{self.head_bytes}-byte header of {self.n} ranks")
+        if len(send_counts) != self.n or min(send_counts) < 0 or sum(send_counts) != t.shape[0]:
+            raise ValueError(f"all_to_all: send_counts {list(send_counts)} for {t.shape[0]} rows, {self.n} ranks")
+        row = math.prod(t.shape[1:]) * t.element_size()
+        src = t.contiguous()  # held until the last round has copied from it
+        b = (self._round + 1) & 1  # the first round's buffer: the header goes with it
+        self._head.pack_into(self.region.mm, self.region.data_off + self._slot_at(b, self.rank), row, *send_counts)
+        self._a2a_round(src.data_ptr(), row * t.shape[0], 0)
+        heads = [self._head.unpack_from(self.region.mm, self.region.data_off + self._slot_at(b, q))
+                 for q in range(self.n)]
+        if len({h[0] for h in heads}) > 1:
+            raise ValueError(f"all_to_all: the ranks' rows differ in bytes ({[h[0] for h in heads]}): every "
+                             "rank must send rows of one shape and dtype")
+        recv = [h[1 + self.rank] for h in heads]
+        spans, at = [], 0  # per source: (offset of my rows in its buffer, their bytes, where they go)
+        for h, c in zip(heads, recv):
+            spans.append((row * sum(h[1:1 + self.rank]), row * c, at))
+            at += row * c
+        out = t.new_empty((sum(recv), *t.shape[1:]))
+        self._a2a_copy(b, 0, spans, out.data_ptr())
+        longest = max(row * sum(h[1:]) for h in heads)  # every rank runs as many rounds
+        for base in range(per, longest, per):
+            b = self._a2a_round(src.data_ptr(), row * t.shape[0], base)
+            self._a2a_copy(b, base, spans, out.data_ptr())
+        return out, recv
+
+    def _slot_at(self, b: int, q: int) -> int:
+        """Rank q's slot of buffer b, as an offset into the data area."""
+        return (b * self.n + q) * self.slot_bytes
+
+    def _a2a_round(self, src: int, size: int, base: int) -> int:
+        """Post bytes [base, base + per) of my `size`-byte send buffer at address `src`; wait for
+        every rank. Returns the buffer the round used."""
+        self._round += 1
+        r = self._round
+        k = min(self.slot_bytes - self.head_bytes, size - base)
+        if k > 0:
+            ctypes.memmove(self._data + self._slot_at(r & 1, self.rank) + self.head_bytes, src + base, k)
+        struct.pack_into("=q", self.region.mm, self._my_flag, r)
+        self._wait(r)
+        return r & 1
+
+    def _a2a_copy(self, b: int, base: int, spans: list[tuple[int, int, int]], dst: int) -> None:
+        """Copy what this round's chunks [base, base + per) hold of my rows out of every slot into
+        the output at address `dst` (spans: all_to_all's)."""
+        per, hb = self.slot_bytes - self.head_bytes, self.head_bytes
+        for q, (off, length, at) in enumerate(spans):
+            lo, hi = max(off, base), min(off + length, base + per)
+            if lo < hi:
+                ctypes.memmove(dst + at + lo - off, self._data + self._slot_at(b, q) + hb + lo - base, hi - lo)
+
+    def _usable(self, what: str) -> None:
+        if self.broken:
+            raise CommError(f"shared-memory {what} unusable after an earlier failure: {self.broken}")
+        self._what = what
+
     def _wait(self, r: int) -> None:
         unpack, mm, off = self._flags.unpack_from, self.region.mm, self.region.ctl_off
         for _ in range(self._spin):
@@ -269,14 +352,15 @@ class ShmAllReduce:
         for q in missing:
             if self._pids and not _alive(self._pids[q]):
                 self.broken = f"rank {q} (pid {self._pids[q]}) died before arriving at round {r}"
-                raise CommError(f"shared-memory all-reduce on rank {self.rank}: {self.broken}")
+                raise CommError(f"shared-memory {self._what} on rank {self.rank}: {self.broken}")
         if waited > self.timeout_s:
             last = ", ".join(f"rank {q} at round {seen[q]}" for q in missing)
             self.broken = (f"timed out after {self.timeout_s:g} s waiting for rank(s) "
                            f"{', '.join(map(str, missing))} at round {r} ({last})")
-            raise CommError(f"shared-memory all-reduce on rank {self.rank}: {self.broken}")
+            raise CommError(f"shared-memory {self._what} on rank {self.rank}: {self.broken}")
 
     def close(self) -> None:
+        self.broken = self.broken or "closed"  # the memmoves must never touch the unmapped area
         self._views.clear()
         self._u8 = None
         self._scratch = None

@@ -5,7 +5,11 @@ Modes:
             bf16, fp16, int32; every rank holds the same bits; non-contiguous -> gloo; the cost
             model's choice per size
   compress  the compressed all-reduce's error against the fp64 sum (printed as JSON lines)
-  die       rank VICTIM SIGKILLs itself inside the SHM collective; the other prints the error
+  a2a       all_to_all over SHM and gloo == a reference every rank computes locally: uneven counts
+            with zeros, several dtypes, more than one slot, nothing at all; the combine back;
+            the equal split; rows of different bytes and wrong recv_counts are errors
+  die       rank VICTIM SIGKILLs itself inside the collective COMM_TEST_OP (all_reduce, all_to_all
+            over SHM, all_to_all_gloo: before the call); the other prints the error
   stall     rank VICTIM stops inside the SHM collective (alive); the other times out
 Prints `OK <what>` lines; any failed check raises (non-zero exit).
 """
@@ -13,6 +17,7 @@ Prints `OK <what>` lines; any failed check raises (non-zero exit).
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import sys
@@ -128,7 +133,74 @@ def compress(comm: Communicator) -> None:
     print("OK compress", flush=True)
 
 
-def die_or_stall(comm: Communicator, mode: str, victim: int) -> None:
+def _a2a_counts(n: int, seed: int, most: int) -> list[list[int]]:
+    """counts[i][j]: rows rank i sends rank j, 0..most, with at least one zero."""
+    g = torch.Generator().manual_seed(seed)
+    c = torch.randint(0, most + 1, (n, n), generator=g)
+    c[seed % n, (seed + 1) % n] = 0
+    return c.tolist()
+
+
+def _a2a_send(src: int, counts: list[list[int]], tail: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Rank src's send buffer (any rank can regenerate it)."""
+    gen = dtype if dtype.is_floating_point else torch.int64  # uint8: int64 values, wrapped
+    return _data(sum(counts[src]) * math.prod(tail), src, gen, seed).to(dtype).view(sum(counts[src]), *tail)
+
+
+def _a2a_expected(me: int, counts: list[list[int]], tail, dtype, seed) -> torch.Tensor:
+    parts = []
+    for i, row in enumerate(counts):
+        start = sum(row[:me])
+        parts.append(_a2a_send(i, counts, tail, dtype, seed)[start:start + row[me]])
+    return torch.cat(parts)
+
+
+def a2a(comm: Communicator) -> None:
+    n, me = comm.world_size, comm.rank
+    cases = [(torch.float32, (16,), 5), (torch.bfloat16, (8,), 5), (torch.int64, (), 9), (torch.uint8, (3,), 4),
+             (torch.float32, (256,), 700),  # up to 700 KiB to each rank: several 256 KiB slots
+             (torch.float32, (4,), 0)]  # nothing at all
+    for seed, (dtype, tail, most) in enumerate(cases):
+        counts = _a2a_counts(n, seed, most)
+        x = _a2a_send(me, counts, tail, dtype, seed)
+        want = _a2a_expected(me, counts, tail, dtype, seed)
+        got_counts = [counts[i][me] for i in range(n)]
+        for tr in ("shm", "gloo"):
+            out, rc = comm.all_to_all(x, counts[me], transport=tr)
+            assert comm.last_transport == tr
+            assert rc == got_counts and out.dtype == dtype and torch.equal(out, want), (tr, dtype, rc, got_counts)
+            back, rc2 = comm.all_to_all(out, rc, counts[me], transport=tr)  # the combine
+            assert rc2 == counts[me] and torch.equal(back, x), (tr, dtype)
+        out, _ = comm.all_to_all(x, counts[me])
+        assert comm.last_transport == "shm" and torch.equal(out, want)
+        print(f"OK a2a {dtype} {tail} counts {counts}", flush=True)
+    # the equal split: every rank 3 rows for every rank
+    x = _data(n * 3 * 2, me, torch.float32).view(n * 3, 2)
+    want = torch.cat([_data(n * 3 * 2, i, torch.float32).view(n * 3, 2)[3 * me:3 * me + 3] for i in range(n)])
+    for tr in ("shm", "gloo"):
+        out, rc = comm.all_to_all(x, transport=tr)
+        assert rc == [3] * n and torch.equal(out, want), tr
+    print("OK a2a equal split", flush=True)
+    # rows of different bytes: an error on every rank, and the region still works
+    x = torch.zeros(n, 4 if me == 0 else 5)
+    try:
+        comm.all_to_all(x, [1] * n, transport="shm")
+        raise AssertionError("rows of different bytes were exchanged")
+    except ValueError as e:
+        assert "differ in bytes" in str(e), e
+    # recv_counts that do not match what the ranks sent: an error on that rank only
+    wrong = [2] * n if me == 0 else [1] * n
+    try:
+        comm.all_to_all(torch.zeros(n, 2), [1] * n, wrong, transport="shm")
+        assert me != 0, "wrong recv_counts accepted"
+    except ValueError as e:
+        assert me == 0 and "recv_counts" in str(e), e
+    out, rc = comm.all_to_all(torch.full((n, 1), float(me)), transport="shm")
+    assert out.view(-1).tolist() == [float(i) for i in range(n)] and rc == [1] * n
+    print("OK a2a errors", flush=True)
+
+
+def die_or_stall(comm: Communicator, mode: str, victim: int, op: str = "all_reduce") -> None:
     orig = shm_mod.ShmAllReduce._wait
 
     def wait(self, r):  # the victim stops after posting round 3 of 8
@@ -140,14 +212,20 @@ def die_or_stall(comm: Communicator, mode: str, victim: int) -> None:
         return orig(self, r)
 
     shm_mod.ShmAllReduce._wait = wait
-    t = torch.ones(8 * SLOT // 4)  # 8 chunks
+    t = torch.ones(8 * SLOT // 4)  # 8 chunks (all_to_all: each rank sends 8 slots' worth)
+    run = {"all_reduce": lambda: comm.all_reduce(t, transport="shm"),
+           "all_to_all": lambda: comm.all_to_all(t, transport="shm"),
+           "all_to_all_gloo": lambda: comm.all_to_all(t, transport="gloo")}[op]
+    if op == "all_to_all_gloo" and comm.rank == victim:
+        print(f"victim rank {victim} dies before the gloo all_to_all", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
     t0 = time.monotonic()
     try:
-        comm.all_reduce(t, transport="shm")
-    except shm_mod.CommError as e:
+        run()
+    except (shm_mod.CommError, RuntimeError) as e:  # gloo's DistBackendError is a RuntimeError
         print(f"ERROR after {time.monotonic() - t0:.2f} s: {e}", flush=True)
         os._exit(0)  # the peer is gone: skip gloo's teardown
-    raise AssertionError("the all-reduce completed without the victim")
+    raise AssertionError(f"the {op} completed without the victim")
 
 
 def main() -> int:
@@ -164,8 +242,10 @@ def main() -> int:
             subgroup(world.rank)
     elif mode == "compress":
         compress(comm)
+    elif mode == "a2a":
+        a2a(comm)
     else:
-        die_or_stall(comm, mode, int(os.environ["COMM_TEST_VICTIM"]))
+        die_or_stall(comm, mode, int(os.environ["COMM_TEST_VICTIM"]), os.environ.get("COMM_TEST_OP", "all_reduce"))
     comm.close()
     destroy_world()
     return 0

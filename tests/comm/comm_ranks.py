@@ -8,7 +8,9 @@ import os
 import signal
 from pathlib import Path
 
-from strata.comm.launch import LocalRanks
+import pytest
+
+from strata.comm.launch import LocalRanks, RanksFailed
 from strata.comm.shm import PREFIX, SHM_DIR
 
 PROG = str(Path(__file__).with_name("comm_rank_prog.py"))
@@ -43,3 +45,19 @@ def bounded(seconds: int):
 
 def ranks(n: int, mode: str, env: dict[str, str] | None = None) -> LocalRanks:
     return LocalRanks(n, [PROG, mode], env=env, threads_per_rank=1)
+
+
+def run_ranks(n: int, mode: str, timeout_s: float, env: dict | None = None) -> list[str]:
+    """Run `mode` on n ranks to completion; their outputs. Fails the test if a rank fails, one
+    is left running or a shared-memory file is left behind."""
+    before = shm_files()
+    with ranks(n, mode, env) as rk:
+        pids = [p.pid for p in rk.procs]
+        try:
+            rk.wait(timeout_s)
+        except RanksFailed as e:
+            pytest.fail(str(e))
+        outs = [rk.output(r) for r in range(n)]
+    assert all(gone(p) for p in pids)
+    assert shm_files() - before == set(), "a shared-memory file was left behind"
+    return outs

@@ -105,6 +105,35 @@ def test_formulas_and_bus_bandwidth() -> None:
     assert alg == pytest.approx(1e9) and bus == pytest.approx(1e9 * 2 * 3 / 4)
     assert bus_bandwidth("all_gather", 1e6, 1e-3, 4)[1] == pytest.approx(0.75e9)
     assert bus_bandwidth("broadcast", 1e6, 1e-3, 4)[1] == pytest.approx(1e9)
+    assert model_seconds("pairwise", s, 4, a, b) == pytest.approx(3 * a + 0.75 * s / b)
+    assert model_seconds("shm_a2a", s, 4, a, b) == pytest.approx(a + 2 * s / b)
+    assert bus_bandwidth("all_to_all", 1e6, 1e-3, 4)[1] == pytest.approx(0.75e9)
+
+
+def test_all_to_all_fit_round_trip() -> None:
+    """Noisy all-to-all points over SHM and gloo -> fits -> JSON -> the planner's question, the
+    seconds of an all-to-all of S bytes per rank, within the noise of the truth."""
+    rng = random.Random(2)
+    truth = {"shm": ("shm_a2a", 8e-6, 6e9), "gloo": ("pairwise", 140e-6, 1.5e9)}
+    fits = []
+    for tr, (alg, a, b) in truth.items():
+        times = [model_seconds(alg, s, 2, a, b) * (1 + rng.uniform(-0.03, 0.03)) for s in SIZES]
+        f = fit("all_to_all", tr, 2, SIZES, times)
+        assert f.algorithm == alg and max(abs(e) for e in f.rel_errors()) < 0.07
+        fits.append(f)
+    m = CommModel.from_json(json.loads(json.dumps(CommModel(tuple(fits)).to_json())))
+    assert m == CommModel(tuple(fits))
+    for s in (4096, 65536, 2**20):
+        want = min(model_seconds(alg, s, 2, a, b) for alg, a, b in truth.values())
+        assert m.all_to_all_seconds(s, 2) == pytest.approx(want, rel=0.1)
+        gloo = model_seconds("pairwise", s, 2, 140e-6, 1.5e9)
+        assert m.all_to_all_seconds(s, 2, ["gloo"]) == pytest.approx(gloo, rel=0.1)
+    # n = 4 from the n = 2 fits: each formula's scaling
+    g = m.get("all_to_all", "gloo", 4)
+    assert m.all_to_all_seconds(2**20, 4, ["gloo"]) == pytest.approx(
+        model_seconds("pairwise", 2**20, 4, g.segment(2**20).alpha_s, g.segment(2**20).beta_bps))
+    assert m.all_to_all_seconds(4096, 2, ["nccl"]) is None and CommModel().all_to_all_seconds(4096, 2) is None
+    assert m.best("all_reduce", 4096, 2) is None  # all-to-all fits price nothing else
 
 
 def _model() -> CommModel:

@@ -1,5 +1,6 @@
-"""`strata bench comm --world-size 2` end to end (a short size range): the table, the JSON fields,
-the fitted model stored in the (seeded, temporary) hardware profile, nothing left running."""
+"""`strata bench comm --world-size 2` end to end (a short size range): the tables (all-to-all's
+too), the JSON fields, the fitted model stored in the (seeded, temporary) hardware profile,
+nothing left running."""
 
 from __future__ import annotations
 
@@ -53,25 +54,29 @@ def test_bench_comm_end_to_end(tmp_path) -> None:
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     text = r.stdout
     for what in ("all_reduce via shm, 2 ranks", "all_reduce via gloo, 2 ranks", "all_gather via gloo",
-                 "broadcast via gloo", "Fitted alpha-beta model", "busbw GB/s", "numeric error",
+                 "broadcast via gloo", "all_to_all via shm, 2 ranks", "all_to_all via gloo, 2 ranks",
+                 "SHM vs gloo all-to-all (fitted): 4.0 KiB per rank", "Fitted alpha-beta model", "busbw GB/s", "numeric error",
                  "stored the fit in the hardware profile"):
         assert what in text, (what, text[-3000:])
     d = json.loads(out.read_text())
     assert d["world_size"] == 2 and d["shm_state"] == "on" and d["profile"] == path
     sizes = [8, 64, 512, 4096, 32768]
-    for coll, tr in (("all_reduce", "shm"), ("all_reduce", "gloo"), ("all_gather", "gloo"), ("broadcast", "gloo")):
+    for coll, tr in (("all_reduce", "shm"), ("all_reduce", "gloo"), ("all_gather", "gloo"), ("broadcast", "gloo"),
+                     ("all_to_all", "shm"), ("all_to_all", "gloo")):
         pts = [p for p in d["points"] if (p["collective"], p["transport"]) == (coll, tr)]
         assert [p["bytes"] for p in pts] == sizes, (coll, tr)
         for p in pts:
             assert p["p10_s"] <= p["median_s"] <= p["p90_s"] and p["reps"] >= 3 and len(p["pass_medians_s"]) == 1
             assert p["algbw_gbs"] > 0 and p["model_s"] > 0 and math_ok(p["model_err"])
-            factor = {"all_reduce": 1.0, "all_gather": 0.5, "broadcast": 1.0}[coll]  # 2(n-1)/n, (n-1)/n
+            factor = {"all_reduce": 1.0, "all_gather": 0.5, "broadcast": 1.0, "all_to_all": 0.5}[coll]  # 2(n-1)/n, (n-1)/n
             assert p["busbw_gbs"] == pytest.approx(p["algbw_gbs"] * factor)
     assert any(p["transport"] == "shm+bfloat16" for p in d["points"])
     fits = {(f["collective"], f["transport"]): f for f in d["fits"]}
     assert fits[("all_reduce", "shm")]["segments"][0]["alpha_s"] > 0
     assert fits[("all_reduce", "gloo")]["segments"][-1]["beta_bps"] > 0
     assert fits[("all_reduce", "gloo")]["formula"] == "2(n-1)*a + 2(n-1)/n*S/b"
+    assert fits[("all_to_all", "shm")]["formula"] == "a + 2*S/b"
+    assert fits[("all_to_all", "gloo")]["formula"] == "(n-1)*a + (n-1)/n*S/b"
     errs = {(e["transport"], e["comm_dtype"], e["bytes"]) for e in d["errors"]}
     assert ("shm", "bfloat16", 65536) in errs and ("gloo", "float32", 65536) in errs
     stored = json.loads(open(path).read())
@@ -79,8 +84,9 @@ def test_bench_comm_end_to_end(tmp_path) -> None:
     assert {f["transport"] for f in stored["comm_model"]["fits"]} >= {"shm", "gloo"}
     assert shm_files() - before == set()
     loaded = _py("from strata.hardware.probe import cached_comm_model; "
-                 "m = cached_comm_model('cpu'); print(m.best('all_reduce', 65536, 2, ['shm', 'gloo'])[0])", env)
-    assert loaded in ("shm", "gloo")
+                 "m = cached_comm_model('cpu'); print(m.best('all_reduce', 65536, 2, ['shm', 'gloo'])[0], "
+                 "m.all_to_all_seconds(65536, 2) > 0)", env)
+    assert loaded in ("shm True", "gloo True")
 
 
 def math_ok(x: float) -> bool:

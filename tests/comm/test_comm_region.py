@@ -80,3 +80,52 @@ def test_single_process_barrier_times_out_naming_the_missing_rank() -> None:
     with pytest.raises(shm.CommError, match="unusable after an earlier failure"):
         ar.all_reduce(torch.ones(8))
     ar.close()
+
+
+@pytest.mark.parametrize("shape,dtype", [((0,), torch.float32), ((700, 5), torch.float32), ((3,), torch.bool),
+                                         ((2000, 7), torch.bfloat16), ((0, 4), torch.int64), ((9, 0), torch.float32)])
+def test_all_to_all_to_itself_over_many_rounds(shape, dtype) -> None:
+    """One rank, 4 KiB slots: rows straddle the chunks of several rounds and come back whole."""
+    r = shm.ShmRegion.create(1, 4096)
+    r.unlink()
+    ar = shm.ShmAllReduce(r, 0, timeout_s=1.0, check_pids=False)
+    t = (torch.rand(shape) * 100).to(dtype)
+    out, counts = ar.all_to_all(t, [shape[0]])
+    assert counts == [shape[0]] and out.shape == t.shape and torch.equal(out, t)
+    nbytes = t.numel() * t.element_size()
+    assert ar._round == max(1, -(-nbytes // (4096 - ar.head_bytes)))
+    ar.close()
+
+
+def test_single_process_all_to_all_times_out_naming_the_missing_rank() -> None:
+    r = shm.ShmRegion.create(2, 4096)
+    r.unlink()
+    ar = shm.ShmAllReduce(r, 0, timeout_s=0.3, check_pids=False)
+    with pytest.raises(shm.CommError, match=r"all-to-all on rank 0: timed out after 0.3 s waiting for rank\(s\) 1"):
+        ar.all_to_all(torch.ones(4, 2), [2, 2])
+    with pytest.raises(shm.CommError, match="all-to-all unusable after an earlier failure"):
+        ar.all_to_all(torch.ones(4, 2), [2, 2])
+    ar.close()
+
+
+def test_all_to_all_counts_are_checked_before_anything_moves() -> None:
+    from strata.comm.collectives import _split_counts
+
+    t = torch.zeros(6, 2)
+    assert _split_counts(t, None, 3) == [2, 2, 2] and _split_counts(t, [0, 6, 0], 3) == [0, 6, 0]
+    for bad in ([1, 2], [3, 4, -1], [1, 1, 1]):
+        with pytest.raises(ValueError, match="send_counts"):
+            _split_counts(t, bad, 3)
+    with pytest.raises(ValueError, match="do not split equally"):
+        _split_counts(t, None, 4)
+    with pytest.raises(ValueError, match="rows"):
+        _split_counts(torch.tensor(1.0), None, 2)
+    r = shm.ShmRegion.create(2, 4096)
+    r.unlink()
+    ar = shm.ShmAllReduce(r, 0, timeout_s=0.3, check_pids=False)
+    with pytest.raises(ValueError, match="send_counts"):
+        ar.all_to_all(t, [5, 2])
+    assert ar._round == 0  # refused before the round: the peers see nothing
+    ar.close()
+    with pytest.raises(shm.CommError, match="closed"):
+        ar.all_to_all(t, [3, 3])
