@@ -101,6 +101,7 @@ class EngineConfig:
     compile: bool = False  # torch.compile the decode step (graph/capture.py), batch-bucketed
     cuda_graphs: bool = False  # capture + replay the decode step as CUDA graphs (CUDA only)
     tensor_parallel_size: int = 1  # ranks sharing the model (torch.distributed; engine/parallel.py)
+    enable_expert_parallel: bool = False  # MoE: experts split across those ranks (graph/expert_parallel.py)
     comm_dtype: str | None = None  # None | bfloat16 | float16: compressed tensor-parallel all-reduce
     comm_timeout: float = 60.0  # seconds any collective may take before a rank counts as dead
     # speculative decoding (engine/speculative.py): "ngram" = prompt lookup, or a draft model's directory

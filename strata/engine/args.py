@@ -94,6 +94,8 @@ FLAGS: tuple[_Flag, ...] = (
           kind="true"),
     _Flag("tensor_parallel_size", "ranks sharing the model (tensor parallelism over torch.distributed; local "
           "ranks are spawned, or run the command under torchrun)", type=int),
+    _Flag("enable_expert_parallel", "MoE models: split the experts across the tensor-parallel ranks, tokens sent to "
+          "their experts' rank and back with all-to-alls (vLLM's name; attention stays tensor-parallel)", kind="true"),
     _Flag("comm_dtype", "compress the tensor-parallel all-reduce to this dtype", choices=("bfloat16", "float16"),
           default_text="the activations' dtype"),
     _Flag("comm_timeout", "seconds a collective may take before a rank counts as dead", type=float),

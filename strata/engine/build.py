@@ -328,10 +328,10 @@ class EngineParts:
     control: object | None = None  # the Communicator step plans travel on
 
 
-def shard(model, ranks, comm):
-    """Tensor parallelism, applied to the built (and quantised) model from outside."""
+def shard(model, ranks, comm, expert_parallel: bool = False):
+    """Tensor parallelism (+ expert parallelism), applied to the built (and quantised) model from outside."""
     t0 = time.perf_counter()
-    model = shard_model(model, ranks.rank, ranks.world.world_size, comm)
+    model = shard_model(model, ranks.rank, ranks.world.world_size, comm, expert_parallel)
     logger.info("sharded for rank %d of %d in %.2fs", ranks.rank, ranks.world.world_size, time.perf_counter() - t0)
     return model
 
@@ -383,7 +383,8 @@ def build_engine(config: EngineConfig, detokenize: bool = True, profile: Hardwar
     ckpt = open_checkpoint(config.model, config.generation_config, config.chat_template, config.tokenizer)
     ranks = comm = control = None
     if config.tensor_parallel_size > 1:
-        check_shardable(ckpt.model_config, config.tensor_parallel_size)  # before any rank starts
+        # before any rank starts
+        check_shardable(ckpt.model_config, config.tensor_parallel_size, config.enable_expert_parallel)
         ranks = Ranks(config)  # spawns the other local ranks, or joins torchrun's world
         # the measured alpha-beta model (`strata bench comm`) picks SHM or gloo per message size
         comm = Communicator(comm_dtype=config.comm_dtype, cost=cached_comm_model(config.device),
@@ -414,7 +415,7 @@ def _build(config: EngineConfig, ckpt: Checkpoint, detokenize: bool, threads: in
     model = load(ckpt, dtype, config.device, max_len, config.quantization, config.quantization_group_size)
     rank_cfg, agree = cfg, None
     if ranks is not None:
-        model = shard(model, ranks, comm)
+        model = shard(model, ranks, comm, config.enable_expert_parallel)
         rank_cfg = per_rank_config(cfg, ranks.world.world_size)
         agree = control.all_min
     platform.prepare_model(model, config)

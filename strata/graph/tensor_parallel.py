@@ -48,8 +48,10 @@ import torch
 from torch import nn
 
 from strata.errors import ConfigError
+from strata.graph.expert_parallel import ExpertParallelMoE, expert_range
 from strata.graph.layers import GatedMLP
 from strata.graph.models.llama import Attention, CausalLM
+from strata.graph.moe import MoEBlock
 from strata.graph.tensor_parallel_layers import (
     Comm,
     RowParallelLinear,
@@ -79,14 +81,28 @@ def _divisors(n: int) -> str:
     return ", ".join(str(k) for k in range(1, n + 1) if n % k == 0)
 
 
-def check_shardable(cfg: ModelConfig, world_size: int) -> None:
-    """ConfigError unless heads, KV heads and the MLP split evenly over `world_size` ranks."""
+def _dense_layers(cfg: ModelConfig) -> bool:
+    return any(not cfg.is_moe_layer(i) for i in range(cfg.num_layers))
+
+
+def check_shardable(cfg: ModelConfig, world_size: int, expert_parallel: bool = False) -> None:
+    """ConfigError unless heads, KV heads and the MLP (an MoE model's experts, with
+    `expert_parallel`) split evenly over `world_size` ranks."""
     tp = world_size
     if not isinstance(tp, int) or tp < 1:
         raise ConfigError(f"tensor_parallel_size = {tp!r}: expected an integer >= 1")
     if tp == 1:
         return
-    if not cfg.llama_structure or cfg.architecture == "Phi3ForCausalLM":
+    if cfg.moe is not None:
+        if not expert_parallel:
+            raise ConfigError(f"tensor_parallel_size = {tp}: {cfg.architecture} is a mixture of experts; its "
+                              "experts are split across ranks with --enable-expert-parallel (experts are not "
+                              "sharded by columns): add it, or use tensor_parallel_size 1")
+        if cfg.qk_norm_whole:
+            raise ConfigError(f"tensor_parallel_size = {tp}: {cfg.architecture}'s q/k norms span every head "
+                              "(a sharded norm needs its own all-reduce, not built): use tensor_parallel_size 1")
+        expert_range(cfg.moe.num_experts, 0, tp)
+    elif not cfg.llama_structure or cfg.architecture == "Phi3ForCausalLM":
         raise ConfigError(
             f"tensor_parallel_size = {tp}: tensor parallelism is built and checked for the Llama, Mistral "
             f"and Qwen families; {cfg.architecture} is not sharded yet: use tensor_parallel_size 1"
@@ -104,7 +120,7 @@ def check_shardable(cfg: ModelConfig, world_size: int) -> None:
             f"divides {tp}; KV heads are split evenly or (fewer than ranks) replicated, so expected "
             f"a tensor_parallel_size dividing {kv} or a multiple of it"
         )
-    if cfg.intermediate_size % tp:
+    if cfg.intermediate_size % tp and _dense_layers(cfg):
         raise ConfigError(
             f"tensor_parallel_size = {tp}: intermediate_size = {cfg.intermediate_size} is not "
             f"divisible by {tp}; expected tensor_parallel_size in {{{_divisors(cfg.intermediate_size)}}}"
@@ -138,8 +154,8 @@ class ShardSpec:
     vocab_real: int  # of those, real token rows (vocab_rows less this shard's padding)
 
 
-def shard_spec(cfg: ModelConfig, rank: int, world_size: int) -> ShardSpec:
-    check_shardable(cfg, world_size)
+def shard_spec(cfg: ModelConfig, rank: int, world_size: int, expert_parallel: bool = False) -> ShardSpec:
+    check_shardable(cfg, world_size, expert_parallel)
     if not 0 <= rank < world_size:
         raise ConfigError(f"rank = {rank}: outside tensor_parallel_size = {world_size}")
     hq = cfg.num_heads // world_size
@@ -158,8 +174,9 @@ def per_rank_config(cfg: ModelConfig, world_size: int) -> ModelConfig:
     """The config of one rank's shard, for the KV cache and the memory planner: num_heads,
     num_kv_heads (at least 1: replicated below tp) and intermediate_size per rank, head_dim
     explicit; hidden_size and vocab_size stay the model's (the logits are the full vocabulary;
-    the embedding and lm_head hold ceil(vocab / tp) rows each)."""
-    check_shardable(cfg, world_size)
+    the embedding and lm_head hold ceil(vocab / tp) rows each). An MoE config keeps its router's
+    view (all experts: the router is replicated)."""
+    check_shardable(cfg, world_size, expert_parallel=cfg.moe is not None)
     return dataclasses.replace(
         cfg,
         num_heads=cfg.num_heads // world_size,
@@ -176,8 +193,10 @@ def _check_int4(model: CausalLM, spec: ShardSpec) -> None:
     tp, d = spec.world_size, spec.head_dim
     for i, layer in enumerate(model.layers):
         attn, mlp = layer.self_attn, layer.mlp
-        for name, proj, width in (("self_attn.o_proj", attn.o_proj, attn.heads // tp * d),
-                                  ("mlp.down_proj", mlp.down_proj, mlp.intermediate // tp)):
+        checks = [("self_attn.o_proj", attn.o_proj, attn.heads // tp * d)]
+        if not isinstance(mlp, MoEBlock):  # experts are split whole, never by columns
+            checks.append(("mlp.down_proj", mlp.down_proj, mlp.intermediate // tp))
+        for name, proj, width in checks:
             if not int4_cols_ok(proj, width):
                 raise ConfigError(
                     f"tensor_parallel_size = {tp}: layers.{i}.{name} is {proj.method} with group size "
@@ -221,11 +240,12 @@ def _shard_vocab(model: CausalLM, spec: ShardSpec, comm: Comm) -> None:
     model.embed_tokens = VocabParallelEmbedding(new_embed, spec.vocab_start, spec.vocab_real, comm)
 
 
-def shard_model(model: CausalLM, rank: int, world_size: int, comm: Comm) -> CausalLM:
+def shard_model(model: CausalLM, rank: int, world_size: int, comm: Comm, expert_parallel: bool = False) -> CausalLM:
     """Keep rank `rank`'s share of every weight of `model` (in place; returned). Runs on every
     rank over the same built model (after quantize_model, before fusion or capture). Everything is
     checked before anything changes: ConfigError for heads, KV heads, intermediate size or an int4
-    group that do not split over `world_size`, or a `comm` of another rank or world."""
+    group that do not split over `world_size`, or a `comm` of another rank or world.
+    expert_parallel: an MoE layer keeps this rank's experts (graph/expert_parallel.py)."""
     if world_size > 1 and comm is None:
         raise ConfigError(f"shard_model: tensor_parallel_size = {world_size} needs a communicator")
     if comm is not None and (comm.rank != rank or comm.world_size != world_size):
@@ -236,7 +256,7 @@ def shard_model(model: CausalLM, rank: int, world_size: int, comm: Comm) -> Caus
     if getattr(model, "tensor_parallel", None) is not None:
         raise ConfigError("shard_model: this model is already sharded")
     cfg = model.config
-    spec = shard_spec(cfg, rank, world_size)
+    spec = shard_spec(cfg, rank, world_size, expert_parallel)
     if world_size == 1:
         return model
     _check_int4(model, spec)
@@ -246,7 +266,10 @@ def shard_model(model: CausalLM, rank: int, world_size: int, comm: Comm) -> Caus
     with torch.no_grad():
         for layer in model.layers:
             _shard_attention(layer.self_attn, spec, comm)
-            _shard_mlp(layer.mlp, spec, comm)
+            if isinstance(layer.mlp, MoEBlock):
+                layer.mlp = ExpertParallelMoE(layer.mlp, rank, world_size, comm)
+            else:
+                _shard_mlp(layer.mlp, spec, comm)
         _shard_vocab(model, spec, comm)
         rehome_in_arena(model)
     model.config = per_rank_config(cfg, world_size)

@@ -33,6 +33,7 @@ import torch
 
 from strata.graph.layers import Linear, RMSNorm
 from strata.graph.models.llama import DecoderLayer, MoEDecoderLayer
+from strata.graph.moe import MoEBlock
 from strata.kernels import cpu_attention, cpu_decode_layer
 from strata.kernels.cpu_decode_layer import NO_ARRAY, uses_vnni
 
@@ -208,6 +209,8 @@ def moe_layer(layer: MoEDecoderLayer, kv_cache: torch.Tensor, rows: int) -> tupl
     if isinstance(attention, str):
         return attention
     block = layer.mlp
+    if not isinstance(block, MoEBlock):
+        return "expert-parallel experts (their all-to-alls run in the eager layer)"
     experts = _Experts.of(block.experts, rows)
     if isinstance(experts, str):
         return experts
