@@ -38,8 +38,10 @@ NO_AMX_FLAGS = ("-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=O
 SMALL_SHAPES = ("smol-135m", "qwen-0.5b")  # fp32 single-file checkpoints: every precision, transformers too
 # bf16-sharded checkpoints (strata.demo.random_models.BF16_SHAPES): the latency part only, no fp32 and no
 # transformers row (an fp32 copy of 3-8B weights is what nobody runs on a CPU), and for the 8B shape
-# int4 alone (the precision a 2-core, 23 GiB machine would run it in).
-BIG_SHAPES = ("llama-3.2-3b", "llama-3.1-8b")
+# int4 alone (the precision a 2-core, 23 GiB machine would run it in). The mixture-of-experts shape
+# (qwen3-moe-2b: Qwen3-MoE, 2.03B parameters stored, 0.33B active a token; demo/shapes.py) is the
+# exception: its fp32 copy (8.1 GB) fits, so it runs every format, transformers' fp32 row included.
+BIG_SHAPES = ("llama-3.2-3b", "llama-3.1-8b", "qwen3-moe-2b")
 ALL_SHAPES = (*SMALL_SHAPES, *BIG_SHAPES)
 # Default --shapes, sized to keep a full run (every part, defaults) near 50 min on the 2-core dev
 # VM; the 16k depth rows push the estimate to ~60 min. From the run in results.json (26.5 min:
@@ -58,7 +60,8 @@ ALL_SHAPES = (*SMALL_SHAPES, *BIG_SHAPES)
 #   q4_0; Strata reads the 16 GB bf16 checkpoint each run).
 DEFAULT_SHAPES = ("smol-135m", "qwen-0.5b", "llama-3.2-3b")
 # Strata formats measured per shape (parts.LATENCY_PAIRS' tags); the small shapes run all of them.
-BIG_PRECISIONS = {"llama-3.2-3b": ("bf16", "int8", "int4"), "llama-3.1-8b": ("int4",)}
+BIG_PRECISIONS = {"llama-3.2-3b": ("bf16", "int8", "int4"), "llama-3.1-8b": ("int4",),
+                  "qwen3-moe-2b": ("fp32", "bf16", "int8", "int4")}
 # GGUF files of a big shape: what convert_hf_to_gguf.py writes from the bf16 checkpoint (a bf16 GGUF is
 # lossless from it), what llama-quantize writes from that bf16 GGUF (the same blocks of 32 as the
 # converter's q8_0, in C++ and threaded), and the intermediates deleted once those exist.
@@ -67,6 +70,9 @@ BIG_GGUFS: dict[str, dict] = {
     # the int4 row alone: convert to a bf16 GGUF (16 GB), quantise that to q4_0 (4.7 GB), then delete
     # the bf16 GGUF (nothing reads it; it would hold 16 GB of the VM's ~60 GB free disk)
     "llama-3.1-8b": {"outtypes": ("bf16",), "quantized": {"q4_0": "bf16"}, "drop": ("bf16",)},
+    # every format: f32 (8.1 GB, the fp32 row's peer) and bf16 (4.1 GB) from the converter, q8_0 / q4_0
+    # quantised from the bf16 one (convert_hf_to_gguf.py writes Qwen3MoeForCausalLM as qwen3moe)
+    "qwen3-moe-2b": {"outtypes": ("f32", "bf16"), "quantized": {"q8_0": "bf16", "q4_0": "bf16"}, "drop": ()},
 }
 
 

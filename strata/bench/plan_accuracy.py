@@ -1,6 +1,6 @@
 """`strata bench plan-accuracy`: the planner's predictions against `strata bench latency`, measured now.
 
-For each model (random weights, fp32 by default; a shape's checkpoint is written once by
+For each model (random weights, fp32 by default; a mixture-of-experts shape among the defaults; a shape's checkpoint is written once by
 demo/random_models.py before anything is timed): re-measure this machine (`strata hw --refresh`
 and the step-overhead calibration: the DRAM bandwidth of a shared VM moves within minutes, so the
 prediction must see the machine the measurement sees), build `strata plan` for `this`, then run
@@ -114,8 +114,10 @@ CASES = (
 )
 BY_KEY = {c.key: c for c in CASES}
 DEFAULT_CASES = ("batch-1", "prefill-512", "batch-16")  # the short run
-DEFAULT_MODELS = ("smol-135m", "qwen-0.5b")
-MODELS = DEFAULT_MODELS + ("llama-3.2-3b",)  # listed; any shape or HF directory is accepted
+# qwen3-moe-0.2b: the mixture-of-experts shape (Qwen3-MoE, 32 experts top 4; demo/shapes.py): its
+# decode reads the distinct experts a batch picks and pays the routing (plan.py's MoE paragraph)
+DEFAULT_MODELS = ("smol-135m", "qwen-0.5b", "qwen3-moe-0.2b")
+MODELS = DEFAULT_MODELS + ("llama-3.2-3b", "qwen3-moe-2b")  # listed; any shape or HF directory is accepted
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -331,6 +333,7 @@ def run(args: argparse.Namespace) -> int:
 
         shape = ModelShape.of(cfg, getattr(torch, plan.dtype), plan.quantization,
                               engine_default("quantization_group_size"), getattr(torch, plan.kv_cache_dtype))
+        shape = dataclasses.replace(shape, routing=plan.routing)  # MoE: the routing the plan measured
         for case in fitting:
             run = functools.partial(_round, plan, cfg, shape, model, args, case)
             r, done = _rounds(run, args.rounds, f"{model}: strata bench latency, {case.label}")

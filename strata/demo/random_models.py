@@ -25,6 +25,7 @@ from strata.config import cache_root
 from strata.demo.random_tokenizer import write_tokenizer
 from strata.demo.shapes import BF16_SHAPES, SHAPES
 from strata.errors import ConfigError
+from strata.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -34,29 +35,49 @@ _DRAW_ELEMS = 1 << 24  # fp32 elements drawn at once by random_tensor (64 MB)
 
 
 def tensor_specs(cfg: dict) -> list[tuple[str, tuple[int, ...], bool]]:
-    """(HF name, shape, is_norm) of every tensor of a Llama / Qwen2 shape, in checkpoint order.
-    Norms are ones; the rest N(0, 0.02). Qwen2ForCausalLM has q/k/v biases."""
-    h, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    d = cfg.get("head_dim") or h // heads
-    qkv_bias = cfg["architectures"][0] == "Qwen2ForCausalLM"
+    """(HF name, shape, is_norm) of every tensor of a shape, in checkpoint order, named as
+    transformers saves them: Llama / Qwen2 (q/k/v biases) / Qwen3 (q/k norms) and the Qwen MoE
+    families (mlp.gate = the router [experts, hidden], mlp.experts.E.gate_proj/up_proj/down_proj,
+    Qwen2-MoE's shared expert and its gate). Norms are ones; the rest N(0, 0.02)."""
+    m = ModelConfig.from_dict({"torch_dtype": "float32", **cfg})  # the flags and MoE layers, as Strata reads them
+    h, vocab, heads, kv, d = m.hidden_size, m.vocab_size, m.num_heads, m.num_kv_heads, m.head_dim
     out = [("model.embed_tokens.weight", (vocab, h), False), ("model.norm.weight", (h,), True)]
-    if not cfg.get("tie_word_embeddings"):
+    if not m.tie_word_embeddings:
         out.append(("lm_head.weight", (vocab, h), False))
-    for i in range(cfg["num_hidden_layers"]):
+    for i in range(m.num_layers):
         p = f"model.layers.{i}."
         for name, rows in (("q", heads * d), ("k", kv * d), ("v", kv * d)):
             out.append((f"{p}self_attn.{name}_proj.weight", (rows, h), False))
-            if qkv_bias:
+            if m.qkv_bias:
                 out.append((f"{p}self_attn.{name}_proj.bias", (rows,), False))
-        out += [
-            (f"{p}self_attn.o_proj.weight", (h, heads * d), False),
-            (f"{p}mlp.gate_proj.weight", (inter, h), False),
-            (f"{p}mlp.up_proj.weight", (inter, h), False),
-            (f"{p}mlp.down_proj.weight", (h, inter), False),
-            (f"{p}input_layernorm.weight", (h,), True),
-            (f"{p}post_attention_layernorm.weight", (h,), True),
-        ]
+        out.append((f"{p}self_attn.o_proj.weight", (h, heads * d), False))
+        if m.qk_norm:
+            q_rows, k_rows = (heads * d, kv * d) if m.qk_norm_whole else (d, d)
+            out += [(f"{p}self_attn.q_norm.weight", (q_rows,), True), (f"{p}self_attn.k_norm.weight", (k_rows,), True)]
+        out += _mlp_specs(m, i, f"{p}mlp.")
+        out += [(f"{p}input_layernorm.weight", (h,), True), (f"{p}post_attention_layernorm.weight", (h,), True)]
+    return out
+
+
+def _mlp_specs(m: ModelConfig, i: int, p: str) -> list[tuple[str, tuple[int, ...], bool]]:
+    """Layer i's MLP: the dense gate/up/down, or the router + each expert (+ a shared expert)."""
+    h = m.hidden_size
+
+    def gated(prefix: str, inter: int) -> list[tuple[str, tuple[int, ...], bool]]:
+        return [(f"{prefix}gate_proj.weight", (inter, h), False), (f"{prefix}up_proj.weight", (inter, h), False),
+                (f"{prefix}down_proj.weight", (h, inter), False)]
+
+    if not m.is_moe_layer(i):
+        return gated(p, m.intermediate_size)
+    moe = m.moe
+    if m.architecture not in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM"):
+        raise ConfigError(f"random checkpoints: no tensor names for {m.architecture}'s experts")
+    out = [(f"{p}gate.weight", (moe.num_experts, h), False)]
+    for e in range(moe.num_experts):
+        out += gated(f"{p}experts.{e}.", moe.intermediate_size)
+    if moe.shared_intermediate_size:
+        out += gated(f"{p}shared_expert.", moe.shared_intermediate_size)
+        out.append((f"{p}shared_expert_gate.weight", (1, h), False))
     return out
 
 

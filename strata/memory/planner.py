@@ -31,49 +31,97 @@ def weight_bytes(
     projections (q/k/v, o, gate/up, down, lm_head) take their quantised size (memory/quant.py),
     everything else (norms, biases, an untied embedding) stays in `dtype`, but for an untied bf16
     embedding of an fp32 model, kept in bf16 (quant.narrow_untied_embedding). "bf16" (bf16 storage
-    of an fp32 model, memory/bf16_weights.py) keeps every 2-D weight, embeddings included, in 2 bytes.
+    of an fp32 model, memory/bf16_weights.py) keeps every projection, embeddings included, in 2 bytes.
+    An MoE layer's experts are projections like the dense ones, every one of them held (all are
+    stored, whichever a token picks); its router (and Qwen2-MoE's shared-expert gate) is a float
+    parameter in `dtype`, never narrowed nor quantised (graph/moe.py).
     layouts: memory.quant Layouts by projection module name (a GGUF's or a prequantized checkpoint's
     own: graph/gguf_model.gguf_formats, graph/prequantized.layouts), counted as they are held; a
     module they do not name takes `quantization`'s size, or stays in `dtype`."""
     mats = _named_matrices(cfg)
     float_params = cfg.num_params() - sum(n * k for _, n, k in mats)
-    held = 0
-    for name, n, k in mats:
-        if layouts and name in layouts:
-            held += layout_bytes(layouts[name], n, k)
-        elif quantization in ("int8", "int4"):
-            held += quantized_bytes(quantization, n, k, group_size)
-        else:
-            held += n * k * (2 if quantization == "bf16" else dtype.itemsize)
+    held = sum(_matrix_bytes(name, n, k, dtype, quantization, group_size, layouts) for name, n, k in mats)
     embed = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size
     narrow = quantization == "bf16" or (quantization is not None and narrow_untied_embedding(
         cfg.torch_dtype, dtype, cfg.tie_word_embeddings))
     return (float_params - embed) * dtype.itemsize + embed * (2 if narrow else dtype.itemsize) + held
 
 
+def expert_weight_bytes(
+    cfg: ModelConfig, dtype: torch.dtype, quantization: str | None = None, group_size: int = 64,
+    layouts: dict | None = None,
+) -> int:
+    """Bytes of the routed experts' projections as held (every expert of every MoE layer; 0 for a
+    dense model): the part of weight_bytes a decode step reads only for the experts its tokens
+    pick. The router and a shared expert are read by every token: not counted here."""
+    return sum(_matrix_bytes(name, n, k, dtype, quantization, group_size, layouts)
+               for name, n, k in _named_matrices(cfg) if ".mlp.experts." in name)
+
+
+def _matrix_bytes(name: str, n: int, k: int, dtype: torch.dtype, quantization: str | None, group_size: int,
+                  layouts: dict | None) -> int:
+    """One projection [n, k] as held: the file's own layout, the quantised size, bf16, or dtype."""
+    if layouts and name in layouts:
+        return layout_bytes(layouts[name], n, k)
+    if quantization in ("int8", "int4"):
+        return quantized_bytes(quantization, n, k, group_size)
+    return n * k * (2 if quantization == "bf16" else dtype.itemsize)
+
+
 def _named_matrices(cfg: ModelConfig) -> list[tuple[str, int, int]]:
-    h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    """(module name, rows, columns) of every projection the engine quantises or narrows (the
+    PROJECTIONS of memory/quant.py): an MoE layer's are its experts' (and shared expert's) gate/up
+    and down; its router (never narrowed nor quantised) stays a float parameter."""
+    h, d = cfg.hidden_size, cfg.head_dim
     out = []
     for i in range(cfg.num_layers):
-        out += [(f"layers.{i}.self_attn.qkv_proj", d * (cfg.num_heads + 2 * cfg.num_kv_heads), h),
-                (f"layers.{i}.self_attn.o_proj", h, cfg.num_heads * d),
-                (f"layers.{i}.mlp.gate_up_proj", 2 * inter, h), (f"layers.{i}.mlp.down_proj", h, inter)]
+        p = f"layers.{i}."
+        out += [(f"{p}self_attn.qkv_proj", d * (cfg.num_heads + 2 * cfg.num_kv_heads), h),
+                (f"{p}self_attn.o_proj", h, cfg.num_heads * d)]
+        if not cfg.is_moe_layer(i):
+            out += _mlp_matrices(f"{p}mlp.", cfg.intermediate_size, h)
+            continue
+        moe = cfg.moe
+        for e in range(moe.num_experts):
+            out += _mlp_matrices(f"{p}mlp.experts.{e}.", moe.intermediate_size, h)
+        if moe.shared_intermediate_size:
+            out += _mlp_matrices(f"{p}mlp.shared_expert.", moe.shared_intermediate_size, h)
     return out + [("lm_head", cfg.vocab_size, h)]  # the tied embedding shares it
+
+
+def _mlp_matrices(prefix: str, inter: int, h: int) -> list[tuple[str, int, int]]:
+    return [(f"{prefix}gate_up_proj", 2 * inter, h), (f"{prefix}down_proj", h, inter)]
 
 
 def streamed_weight_bytes(
     cfg: ModelConfig, dtype: torch.dtype, quantization: str | None = None, group_size: int = 64,
-    layouts: dict | None = None,
+    layouts: dict | None = None, tokens: int | None = None,
 ) -> int:
     """The weight bytes one decode step reads: all of weight_bytes but an untied input embedding,
     of which a step reads one row per sequence (in the bytes it is held in: 2 where bf16 storage or
-    quant.narrow_untied_embedding keeps it in bf16)."""
+    quant.narrow_untied_embedding keeps it in bf16). An MoE model's step of `tokens` tokens reads
+    only the experts they pick: expected_experts(E, k, tokens) of each MoE layer's E (tokens None:
+    every expert, the most a step can read)."""
+    held = weight_bytes(cfg, dtype, quantization, group_size, layouts)
+    if tokens is not None and cfg.moe is not None:
+        unread = 1 - expected_experts(cfg.moe.num_experts, cfg.moe.top_k, tokens) / cfg.moe.num_experts
+        held -= round(unread * expert_weight_bytes(cfg, dtype, quantization, group_size, layouts))
     if cfg.tie_word_embeddings:
-        return weight_bytes(cfg, dtype, quantization, group_size, layouts)
+        return held
     narrow = quantization == "bf16" or (quantization is not None and narrow_untied_embedding(
         cfg.torch_dtype, dtype, False))
-    embed = cfg.vocab_size * cfg.hidden_size * (2 if narrow else dtype.itemsize)
-    return weight_bytes(cfg, dtype, quantization, group_size, layouts) - embed
+    return held - cfg.vocab_size * cfg.hidden_size * (2 if narrow else dtype.itemsize)
+
+
+def expected_experts(num_experts: int, top_k: int, tokens: float) -> float:
+    """Distinct experts a batch of `tokens` tokens touches in one MoE layer, expected, when each token
+    picks top_k of num_experts uniformly: an expert is missed by one token with probability
+    1 - k/E, by all of them with (1 - k/E)^tokens, so E * (1 - (1 - k/E)^tokens) are read (k at one
+    token, -> E as the batch grows). Real routers are skewed, which reads fewer; uniform is the
+    planner's assumption (and what random weights give)."""
+    if tokens <= 0:
+        return 0.0
+    return num_experts * (1 - (1 - top_k / num_experts) ** tokens)
 
 
 def check_fits(what: str, flag: str, nbytes: int, device: str, default: str) -> None:

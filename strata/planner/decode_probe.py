@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from strata.graph.models.llama import CausalLM
+from strata.graph.moe import Router
 from strata.hardware import probe as hw_probe
 from strata.kernels.attention import AttentionMetadata, PrefillSpan, select_backend
 from strata.memory.arena import rehome_in_arena
@@ -96,6 +97,16 @@ def store_like_engine(model, quantization: str | None, group: int, device: str) 
         mark_prefill_gemms(model, hw_probe.probe("cpu"))
 
 
+@torch.no_grad()
+def init_routers(model: torch.nn.Module) -> None:
+    """N(0, 0.02) router weights (an MoE layer's Router is built uninitialised, for the loader):
+    unit-scale hidden rows then pick varied experts, as trained routers do, and a step of b rows
+    reads about expected_experts(E, k, b) of them, not the same few (all-zero scores tie)."""
+    for module in model.modules():
+        if isinstance(module, Router):
+            module.weight.normal_(0.0, 0.02)
+
+
 def layers_to_build(cfg: ModelConfig, layer_bytes: int) -> int:
     return max(1, min(cfg.num_layers, math.ceil(SPAN_BYTES / max(layer_bytes, 1))))
 
@@ -113,6 +124,7 @@ class DecodeProbe:
         with torch.device(self.device):
             self.model = CausalLM(built, max_positions=max(PROBE_CONTEXT, PREFILL_MAX_TOKENS) + 1).to(dtype).eval()
         self.model.requires_grad_(False)
+        init_routers(self.model)
         store_like_engine(self.model, quantization, group, device)
         self.layers = built.num_layers
         self.backend = select_backend("auto", device, dtype)

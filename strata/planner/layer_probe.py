@@ -8,7 +8,9 @@ costs ~10% of the layer and appears in no FLOP count. So for `this` device the p
 the pieces of one layer, built from Strata's own modules with random weights, at the prompt
 length it predicts: the projections (GEMM), causal attention, and the whole layer; the
 elementwise share is whole layer minus the two. The prediction composes these per-layer times
-with the layer count, chunking and the lm_head read; nothing of the model itself is run.
+with the layer count, chunking and the lm_head read; nothing of the model itself is run. An MoE
+model's layer is its MoE layer, the router seeded so the prompt's rows spread over the experts;
+its "projections" are attention's plus the whole MoE block (expert GEMMs, routing, dispatch).
 """
 
 from __future__ import annotations
@@ -22,10 +24,11 @@ from dataclasses import dataclass
 import torch
 
 from strata.graph.layers import RotaryEmbedding
-from strata.graph.models.llama import DecoderLayer
+from strata.graph.models.llama import DecoderLayer, MoEDecoderLayer
+from strata.graph.moe import MoEBlock
 from strata.kernels.attention import AttentionMetadata, PrefillSpan, resolve_backend
 from strata.model_config import ModelConfig
-from strata.planner.decode_probe import store_like_engine
+from strata.planner.decode_probe import init_routers, store_like_engine
 
 logger = logging.getLogger(__name__)
 
@@ -83,8 +86,12 @@ def _measure(cfg: ModelConfig, dtype: torch.dtype, tokens: int, device: str, qua
     block = 16
     blocks = -(-tokens // block)
     with torch.inference_mode():
+        # an MoE model's layer is one of its MoE layers (the router seeded: varied experts per row)
+        layer_cls = MoEDecoderLayer if cfg.moe is not None and any(cfg.moe.sparse) else DecoderLayer
+
         def build() -> DecoderLayer:  # stored as the engine stores it: arena, bf16 / int8 / int4, GEMM marks
-            layer = DecoderLayer(cfg).to(device=dev, dtype=dtype)
+            layer = layer_cls(cfg).to(device=dev, dtype=dtype)
+            init_routers(layer)
             store_like_engine(layer, quantization, group, device)
             return layer
 
@@ -117,6 +124,9 @@ def _measure(cfg: ModelConfig, dtype: torch.dtype, tokens: int, device: str, qua
             attn, mlp = layer.self_attn, layer.mlp
             attn.qkv_proj(x)
             attn.o_proj(x_q)
+            if isinstance(mlp, MoEBlock):  # the whole block: its expert GEMMs with their routing and dispatch
+                mlp(x)
+                return
             mlp.gate_up_proj(x)
             mlp.down_proj(x_i)
 

@@ -44,6 +44,18 @@ hidden*bytes*b, alpha-beta model: ring 2(N-1)/N*bytes/bw + 2(N-1)*alpha, tree
 2*log2(N)*(alpha + bytes/bw); the cheaper is taken. Datasheet targets use the link's bandwidth and
 an assumed alpha; `thisxN` (N ranks of this machine) uses the alpha and beta that `strata bench
 comm --world-size N` fitted here (SHM, gloo, NCCL; stored in the hardware profile), and says so.
+Mixture of experts (Mixtral, Qwen2/3-MoE, OLMoE): memory holds every expert (total parameters, in
+the weight format); a decode step of b tokens reads, of each MoE layer, the expected distinct
+experts E*(1-(1-k/E)^b) (k at batch 1, all E as b grows), each an expert GEMV over its share of
+the rows, plus the attention, shared expert, router and head; FLOPs (decode and prefill) are the
+active ones (top_k experts a token); routing (router GEMV + a cost per expert visited) is
+measured on `this` by moe_probe.py, assumed on a datasheet GPU (cost_model.GPU_ROUTING), and
+inside the decode probe's times where it ran. Over N devices an MoE model is expert parallel (the
+engine's --enable-expert-parallel, graph/expert_parallel.py; the EP rows): attention split by heads
+as TP (1 all-reduce a layer), E/N whole experts a device, and per MoE layer 2 all-to-alls of
+ceil(b/N) x top_k x hidden x bytes a rank plus 1 all-gather of the N slices: the comm model's
+all-to-all fit on `thisxN` (its all-gather fit as a labelled stand-in where no all-to-all was
+measured), the link's pairwise (n-1)*alpha + (n-1)/n*S/bw on a datasheet target.
 """
 
 from __future__ import annotations
@@ -82,6 +94,8 @@ from strata.planner.cost_model import (
     crossover_batch,
     decode_step,
     depth_curve,
+    ep_all_to_all_bytes,
+    ep_exchange_seconds,
     prefill,
     spec_device,
     this_device,
@@ -93,6 +107,7 @@ from strata.planner.layer_probe import (
     measure_prefill_layer,
     probe_seconds,
 )
+from strata.planner.moe_probe import measure_routing
 from strata.platform.cpu import resolve_weight_storage
 from strata.text_table import fmt_bytes
 
@@ -164,11 +179,20 @@ def _prequantized_scheme(spec: str):
 
 def activation_bytes(cfg: ModelConfig, itemsize: int, tokens: int, rows: int, tp: int = 1) -> int:
     """Peak step workspace: tokens x (residual + normed input + qkv + gate/up + SwiGLU out) x bytes
-    + rows x vocab x 4 (fp32 logits of the sampled rows); TP splits the projection outputs."""
+    + rows x vocab x 4 (fp32 logits of the sampled rows); TP splits the projection outputs. An MoE
+    layer's gate/up is its top_k experts' (+ the shared expert's), plus fp32 router logits."""
     d = cfg.head_dim
     per_token = (2 * cfg.hidden_size + d * (cfg.num_heads + 2 * cfg.num_kv_heads) // tp
-                 + 3 * cfg.intermediate_size // tp)
-    return tokens * per_token * itemsize + rows * cfg.vocab_size * 4
+                 + 3 * _mlp_width(cfg) // tp)
+    router = tokens * cfg.moe.num_experts * 4 if cfg.moe is not None else 0
+    return tokens * per_token * itemsize + rows * cfg.vocab_size * 4 + router
+
+
+def _mlp_width(cfg: ModelConfig) -> int:
+    """The widest MLP one token computes in a layer (MoE: top_k experts + the shared expert)."""
+    moe = cfg.moe
+    return max(moe.top_k * moe.intermediate_size + moe.shared_intermediate_size if cfg.is_moe_layer(i)
+               else cfg.intermediate_size for i in range(cfg.num_layers))
 
 
 # ---------------------------------------------------------------- the plan
@@ -209,6 +233,11 @@ class TPOption:
     best_batch: int
     best_tokens_per_s: float  # all replicas together
     cost_per_mtok: float | None
+    # MoE: tp > 1 is expert parallel (E / tp experts a rank; graph/expert_parallel.py)
+    experts_per_device: int = 0
+    a2a_bytes_per_rank: int = 0  # one all-to-all of a batch-1 step (top_k x hidden x bytes)
+    ep_comm_s: float = 0.0  # a batch-1 step's MoE exchanges: 2 all-to-alls + 1 all-gather per MoE layer
+    ep_comm_source: str = ""  # what priced the all-to-alls (cost_model.all_to_all_seconds)
 
 
 @dataclass
@@ -233,6 +262,9 @@ class Plan:
     decode_probe: Any = None  # decode_probe.DecodeTimes: `this` device's decode kernels, timed
     prefill_layer: Any = None  # layer_probe.LayerTimes the prefill was priced from (`this`)
     tp_options: list[TPOption] = field(default_factory=list)
+    active_params: int = 0  # params one token reads (MoE: < params; dense: = params)
+    moe: dict[str, Any] | None = None  # experts, top_k, MoE layers, expert bytes, the routing and its source
+    routing: Any = None  # cost_model.Routing the MoE decode was priced with (None: dense)
     best: dict[str, Any] | None = None
     price_per_hour: float | None = None
     notes: list[str] = field(default_factory=list)
@@ -266,14 +298,15 @@ def _batches(b_max: int) -> list[int]:
     return out + [b_max]
 
 def memory_part(shape: ModelShape, dev: Device, req: PlanRequest, dtype: torch.dtype, max_len: int,
-                tp: int = 1, kv_dtype: torch.dtype | None = None) -> MemoryPart:
+                tp: int = 1, kv_dtype: torch.dtype | None = None, weights: int | None = None) -> MemoryPart:
     """Memory per device. The KV capacity comes from planner.plan_memory with an explicit budget:
     --kv-cache-memory if given (what the engine does with it); else on `this` the engine's rule
     (memory_fraction of what is free once the weights are loaded, capped by max_num_seqs
     sequences of max_model_len); else on a datasheet device everything left after weights and
-    the activation estimate."""
+    the activation estimate. `weights`: the bytes a device holds where they are not 1/tp of the
+    model's (expert parallel)."""
     cfg = shape.cfg
-    weights = -(-shape.weight_bytes // tp)
+    weights = -(-shape.weight_bytes // tp) if weights is None else weights
     kv_split = _kv_split(cfg, tp)
     per_token = shape.kv_per_token // kv_split
     per_block = per_token * req.block_size
@@ -305,9 +338,11 @@ def memory_part(shape: ModelShape, dev: Device, req: PlanRequest, dtype: torch.d
     # tensor parallelism each rank loads the whole model before keeping its shard
     load_peak = shape.weight_bytes + STAGING_BYTES
     fits = error is None and weights + act <= dev.memory_bytes and load_peak <= dev.memory_bytes
-    if error is None and not fits:
-        error = ("weights + activations exceed device memory" if weights + act > dev.memory_bytes
-                 else f"the load's peak ({fmt_bytes(load_peak)}) exceeds device memory")
+    if weights + act > dev.memory_bytes:  # the first reason: no KV budget could fix it
+        error = (f"weights ({fmt_bytes(weights)}) + activations ({fmt_bytes(act)}) exceed device memory "
+                 f"({fmt_bytes(dev.memory_bytes)})")
+    elif error is None and not fits:
+        error = f"the load's peak ({fmt_bytes(load_peak)}) exceeds device memory"
     return MemoryPart(
         total_bytes=dev.memory_bytes, weight_bytes=weights, kv_per_token=per_token,
         kv_per_sequence=per_token * max_len, activation_bytes=act, kv_budget_bytes=int(budget),
@@ -399,6 +434,9 @@ def build_plan(req: PlanRequest, profile=None, overhead=None) -> Plan:
     req = dataclasses.replace(req, quantization=quantization)  # the weight format decided (auto: maybe bf16)
     layouts = _file_layouts(req.model, derived, scheme, cfg, quantization)
     shape = ModelShape.of(cfg, dtype, quantization, req.group_size, formats.kv_dtype, layouts)
+    if cfg.moe is not None and is_this:  # the router and dispatch, timed here (moe_probe.py)
+        shape = dataclasses.replace(shape, routing=measure_routing(cfg, dtype, quantization, req.group_size,
+                                                                   dev.torch_device or "cpu"))
     if layouts:
         notes.append(f"weights counted in the file's own layouts ({len(layouts)} projections)")
     max_len = cfg.max_model_len(req.max_model_len)
@@ -428,6 +466,8 @@ def build_plan(req: PlanRequest, profile=None, overhead=None) -> Plan:
     if is_this:
         tokens = min(input_len, req.max_num_batched_tokens, PROBE_MAX_TOKENS)
         cost = probe_seconds(2 * shape.p_layers / cfg.num_layers * tokens / (dev.gemm_gflops * 1e9))
+        if shape.num_experts:  # building the layer's experts dominates: ~1 GB/s (decode_probe's rule)
+            cost += cfg.num_params() / cfg.num_layers * 4 / 1e9
         if cost <= LAYER_PROBE_BUDGET_S:
             layer = measure_prefill_layer(cfg, dtype, tokens, dev.torch_device or "cpu", req.quantization,
                                           req.group_size)
@@ -445,6 +485,8 @@ def build_plan(req: PlanRequest, profile=None, overhead=None) -> Plan:
         depth_curve=depth_curve(shape, dev, max_len, overhead, probe),
         kv_cache_dtype=str(formats.kv_dtype).removeprefix("torch."), decode_probe=probe, prefill_layer=layer,
         tp_options=options, price_per_hour=req.price_per_hour, notes=notes + list(dev.notes),
+        active_params=shape.active_params, moe=_moe_summary(shape, dev, probe),
+        routing=shape.routing_for(dev) if shape.num_experts else None,
     )
     plan.best = _best(plan)
     return plan
@@ -460,7 +502,8 @@ def _tp_options(shape: ModelShape, dev: Device, req: PlanRequest, dtype: torch.d
     out = []
     tp = 1
     while tp <= dev.count:
-        if dev.count % tp == 0 and shape.cfg.num_heads % tp == 0:
+        splits = shape.cfg.num_heads % tp == 0 and (not shape.num_experts or shape.num_experts % tp == 0)
+        if dev.count % tp == 0 and splits:
             mem = memory_part(shape, dev, req, dtype, max_len, tp, kv_dtype)
             steps = [decode_step(shape, dev, b, context, tp, overhead, probe) for b in _batches(req.batch)]
             fit = _fitting(steps, mem.num_blocks, req.block_size) if mem.fits else []
@@ -468,16 +511,38 @@ def _tp_options(shape: ModelShape, dev: Device, req: PlanRequest, dtype: torch.d
             replicas = dev.count // tp
             nbytes = shape.cfg.hidden_size * shape.act_itemsize
             ar = tp_allreduce_seconds(dev, nbytes, tp)
-            per_step = 2 * shape.cfg.num_layers
+            per_step = 2 * shape.cfg.num_layers - shape.moe_layers  # an MoE layer: attention's all-reduce only
             thr = best.tokens_per_s * replicas if best else 0.0
             cost = (req.price_per_hour / 3600 / thr * 1e6) if (req.price_per_hour and thr) else None
             out.append(TPOption(
-                tp=tp, replicas=replicas, memory=mem, comm_bytes_per_token=2 * shape.cfg.num_layers * nbytes,
+                tp=tp, replicas=replicas, memory=mem, comm_bytes_per_token=per_step * nbytes,
                 comm_ring_s=per_step * ar["ring"], comm_tree_s=per_step * ar["tree"], tpot_s=steps[0].total_s,
                 best_batch=best.batch if best else 0, best_tokens_per_s=thr, cost_per_mtok=cost,
+                **_ep_fields(shape, dev, tp),
             ))
         tp *= 2
     return out
+
+
+def _ep_fields(shape: ModelShape, dev: Device, tp: int) -> dict[str, Any]:
+    """An MoE model's expert-parallel figures at degree tp (batch 1); {} for a dense model."""
+    if not shape.num_experts:
+        return {}
+    one, source = ep_exchange_seconds(shape, dev, 1, tp)
+    return {"experts_per_device": shape.num_experts // tp, "a2a_bytes_per_rank": ep_all_to_all_bytes(shape, 1, tp),
+            "ep_comm_s": shape.moe_layers * one, "ep_comm_source": source}
+
+
+def _moe_summary(shape: ModelShape, dev: Device, probe) -> dict[str, Any] | None:
+    """What the plan says of a mixture-of-experts model's experts and routing (None: dense)."""
+    if not shape.num_experts:
+        return None
+    routing = shape.routing_for(dev)
+    return {"num_experts": shape.num_experts, "top_k": shape.top_k, "moe_layers": shape.moe_layers,
+            "layers": shape.cfg.num_layers, "expert_bytes": shape.expert_bytes,
+            "one_expert_bytes": shape.one_expert_bytes, "dense_stream_bytes": shape.dense_stream_bytes,
+            "routing_fixed_s": routing.fixed_s, "routing_per_expert_s": routing.per_expert_s,
+            "routing_source": routing.source, "routing_in_probe": probe is not None}
 
 
 def _best(plan: Plan) -> dict[str, Any] | None:

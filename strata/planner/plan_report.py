@@ -29,12 +29,18 @@ def _rates_line(p: Plan) -> str:
             f"{few}, GEMM {_flops(d.gemm_gflops)}, attention {_flops(d.attn_gflops or d.gemm_gflops)}")
 
 
+def _params(p: Plan) -> str:
+    if p.moe is None:
+        return f"{p.params / 1e6:,.1f}M params"
+    return f"{p.params / 1e9:,.2f}B params stored, {p.active_params / 1e9:,.2f}B active per token"
+
+
 def header(p: Plan) -> list[str]:
     q = f", {p.quantization} weights" if p.quantization else ""
     kv = f", KV cache {p.kv_cache_dtype}" if p.kv_cache_dtype and p.kv_cache_dtype != p.dtype else ""
     count = f" x{p.device.count}" if p.device.count > 1 else ""
     return [
-        f"strata plan: {p.model} ({p.architecture}, {p.params / 1e6:,.1f}M params) on {p.device.name}{count}, "
+        f"strata plan: {p.model} ({p.architecture}, {_params(p)}) on {p.device.name}{count}, "
         f"{p.dtype}{q}{kv}",
         "  " + _rates_line(p),
         f"  max_model_len L={p.max_model_len}, prefill prompt {p.input_len} tokens, decode context {p.context}",
@@ -46,7 +52,9 @@ def memory_lines(p: Plan) -> list[str]:
     lines = [
         "Memory (per device)",
         f"  total          {fmt_bytes(m.total_bytes)}",
-        f"  weights        {fmt_bytes(m.weight_bytes)}",
+        f"  weights        {fmt_bytes(m.weight_bytes)}"
+        + (f" (every expert: {p.params / 1e9:,.2f}B params, the routed experts {fmt_bytes(p.moe['expert_bytes'])} "
+           "of it)" if p.moe else ""),
         f"  load peak      {fmt_bytes(m.load_peak_bytes)} (the final weights + {fmt_bytes(STAGING_BYTES)} of read "
         "staging: the loader converts each tensor as it reads it, never a float copy)",
         f"  KV cache       {fmt_bytes(m.kv_cache_bytes)} = {m.num_blocks} blocks x {m.block_size} = "
@@ -72,7 +80,8 @@ def prefill_lines(p: Plan) -> list[str]:
         + (f"  + elementwise {_ms(f.elementwise_s)} ms" if f.elementwise_s else "")
         + f"  + {'lm_head' if f.source == 'layer probe' else 'weight'} read {_ms(f.weight_read_s)} ms"
         + (f"  + overhead {_ms(f.overhead_s)} ms" if f.overhead_s else "")
-        + (f"  + all-reduce {_ms(f.comm_s)} ms" if f.comm_s else ""),
+        + (f"  + all-reduce {_ms(f.comm_s)} ms" if f.comm_s else "")
+        + (f"  + MoE routing {_ms(f.routing_s)} ms" if f.routing_s else ""),
     ] + (["  (projections, attention and elementwise: one layer of this model timed on this device "
           "at the prompt's chunk length, times the layer count; planner/layer_probe.py)"]
          if f.source == "layer probe" else [])
@@ -108,7 +117,60 @@ def depth_lines(p: Plan) -> list[str]:
     return lines
 
 
+def moe_lines(p: Plan) -> list[str]:
+    """Total vs active, the distinct experts a batch reads, the routing and what priced it."""
+    if p.moe is None:
+        return []
+    m = p.moe
+    routing = ("inside the decode probe's layer times (moe_probe's figure prices the rates path)"
+               if m["routing_in_probe"] else "added to the decode step")
+    lines = [
+        f"Mixture of experts: {m['num_experts']} experts, top {m['top_k']} a token, {m['moe_layers']} of "
+        f"{m['layers']} layers sparse",
+        f"  parameters     {p.params / 1e9:,.2f}B stored (every expert, held in memory) vs "
+        f"{p.active_params / 1e9:,.2f}B active per token (top_k experts + attention + embeddings)",
+        f"  one expert     {fmt_bytes(m['one_expert_bytes'])} a layer; every step reads "
+        f"{fmt_bytes(m['dense_stream_bytes'])} of non-expert weights",
+        "  a batch of b tokens reads E x (1 - (1 - k/E)^b) distinct experts per MoE layer (uniform routing)",
+        f"  routing        {m['routing_fixed_s'] * 1e6:,.1f} us a layer + {m['routing_per_expert_s'] * 1e6:,.1f} us "
+        f"an expert visited ({m['routing_source']}); {routing}",
+        "  batch  experts/layer  weights read  routing ms",
+    ]
+    for s in p.steps:
+        cost = "in probe" if m["routing_in_probe"] else _ms(s.routing_s)
+        lines.append(f"  {s.batch:5d}  {s.experts:13,.1f}  {fmt_bytes(s.bytes - s.kv_bytes):>12}  {cost:>10}")
+    return lines
+
+
+def ep_lines(p: Plan) -> list[str]:
+    """An MoE model over several devices: expert parallel, its exchanges priced (the TP options)."""
+    if p.device.count <= 1:
+        return ["Expert parallel: one device here, nothing to split (--hardware thisxN or NAMExN prices EP)"]
+    d = p.device
+    sources = sorted({o.ep_comm_source for o in p.tp_options if o.tp > 1})
+    lines = [
+        f"Expert parallel over {d.count} devices ({d.link}, {d.link_gbs:,.0f} GB/s per direction, alpha "
+        f"{d.alpha_s * 1e6:g} us; the engine's --tensor-parallel-size N --enable-expert-parallel): attention split "
+        "by heads (1 all-reduce a layer), E/EP experts a device; per MoE layer 2 all-to-alls (dispatch, combine) "
+        "of ceil(batch/EP) x top_k x hidden x bytes a rank + 1 all-gather of the slices",
+        "  all-to-all priced by: " + ("; ".join(sources) if sources else "-"),
+        "  EP  replicas  experts/dev  weights/dev  KV tokens/dev  a2a bytes/rank  a2a+gather us  all-reduce us  "
+        "TPOT ms (b=1)  best batch  tok/s (all)  $/M tok",
+    ]
+    for o in p.tp_options:
+        cost = f"{o.cost_per_mtok:,.3f}" if o.cost_per_mtok is not None else "-"
+        fit = "" if o.memory.fits else "  (does not fit)"
+        lines.append(
+            f"  {o.tp:2d}  {o.replicas:8d}  {o.experts_per_device:11d}  {fmt_bytes(o.memory.weight_bytes):>11}  "
+            f"{o.memory.kv_tokens:13,}  {o.a2a_bytes_per_rank:14,}  {o.ep_comm_s * 1e6:13.1f}  "
+            f"{min(o.comm_ring_s, o.comm_tree_s) * 1e6:13.1f}  {o.tpot_s * 1e3:13.2f}  {o.best_batch:10d}  "
+            f"{o.best_tokens_per_s:11,.0f}  {cost:>7}{fit}")
+    return lines
+
+
 def tp_lines(p: Plan) -> list[str]:
+    if p.moe is not None:  # split over devices, an MoE model is expert parallel
+        return ep_lines(p)
     if p.device.count <= 1:
         return []
     d = p.device
@@ -134,7 +196,8 @@ def cost_lines(p: Plan) -> list[str]:
     if p.best is None:
         return ["Best configuration: none fits"]
     b = p.best
-    line = (f"Best throughput: TP={b['tp']} x {b['replicas']} replica(s), batch {b['batch']}: "
+    split = "EP" if p.moe is not None else "TP"  # an MoE model splits as expert parallel
+    line = (f"Best throughput: {split}={b['tp']} x {b['replicas']} replica(s), batch {b['batch']}: "
             f"{b['tokens_per_s']:,.1f} output tok/s")
     if b["cost_per_mtok"] is not None:
         line += f"; at ${p.price_per_hour:g}/hour: ${b['cost_per_mtok']:,.3f} per million output tokens"
@@ -142,8 +205,8 @@ def cost_lines(p: Plan) -> list[str]:
 
 
 def format_text(p: Plan) -> str:
-    parts = [header(p), memory_lines(p), prefill_lines(p), decode_lines(p), depth_lines(p), tp_lines(p),
-             cost_lines(p)]
+    parts = [header(p), memory_lines(p), prefill_lines(p), decode_lines(p), depth_lines(p), moe_lines(p),
+             tp_lines(p), cost_lines(p)]
     if p.overhead is not None and getattr(p.overhead, "measured", None):
         o = p.overhead
         parts.append([
@@ -190,7 +253,9 @@ def format_html(p: Plan) -> str:
     ]
     if p.depth_curve:
         body.append(pre(depth_lines(p)))
-    if p.device.count > 1:
+    if p.moe is not None:
+        body += ["<h2>Mixture of experts</h2>", pre(moe_lines(p) + [""] + ep_lines(p))]
+    elif p.device.count > 1:
         body += ["<h2>Tensor parallel</h2>", pre(tp_lines(p))]
     body += ["<h2>Cost</h2>", pre(cost_lines(p))]
     if p.notes:

@@ -328,6 +328,10 @@ def test_shape_selection_and_the_big_shapes_plans():
     assert pairs["qwen-0.5b"] == [(t, ty) for t, _, ty in parts.LATENCY_PAIRS]
     assert pairs["llama-3.2-3b"] == [("bf16", ("bf16",)), ("int8", ("q8_0",)), ("int4", ("q4_0",))]
     assert pairs["llama-3.1-8b"] == [("int4", ("q4_0",))]
+    # the MoE shape: bf16-sharded, yet every format (its fp32 copy fits), f32 + bf16 GGUFs, q8_0 / q4_0 from bf16
+    assert "qwen3-moe-2b" in settings.BIG_SHAPES and "qwen3-moe-2b" not in settings.DEFAULT_SHAPES
+    assert settings.gguf_plan("qwen3-moe-2b") == (("f32", "bf16"), {"q8_0": "bf16", "q4_0": "bf16"}, ())
+    assert pairs["qwen3-moe-2b"] == [("fp32", ("f32",)), ("bf16", ("bf16",)), ("int8", ("q8_0",)), ("int4", ("q4_0",))]
     # the big shapes' own tokens, repetitions and rounds
     args = pipeline.argparse.Namespace(latency_rounds=3, big_latency_rounds=2)
     small, big = parts.latency_plan("qwen-0.5b", settings.FULL, args), parts.latency_plan("llama-3.2-3b", settings.FULL, args)

@@ -208,3 +208,24 @@ def test_cases_longer_than_the_model_are_skipped(capsys, monkeypatch):
     assert main(["bench", "plan-accuracy", "--model", "tiny", "--case", "depth-4k", "--rounds", "1"]) == 0
     out = capsys.readouterr().out
     assert "depth-4k skipped" in out and "2048" in out and "0/0 pairs" in out
+
+
+def test_the_moe_shape_is_a_default_model_and_priced_with_its_routing(tmp_path, monkeypatch, cpu_profile, steady):
+    """plan-accuracy's defaults include the MoE shape (qwen3-moe-0.2b); on tiny-moe (children faked)
+    the pairs are predicted from the plan's probes and its measured routing."""
+    assert "qwen3-moe-0.2b" in plan_accuracy.DEFAULT_MODELS and "qwen3-moe-2b" in plan_accuracy.MODELS
+    plans = []
+
+    def predict(model, args):
+        req = PlanRequest(model=model, dtype=args.dtype, batch=16, input_len=512, context=192, max_model_len=2048)
+        plans.append(build_plan(req, profile=cpu_profile, overhead=StepOverhead.zero()))
+        return plans[-1]
+
+    monkeypatch.setattr(plan_accuracy, "_predict", predict)
+    monkeypatch.setattr(plan_accuracy, "_measure", lambda *a: {"prefill_s": 0.05, "decode_tokens_per_s": 100.0})
+    out = tmp_path / "acc.json"
+    assert main(["bench", "plan-accuracy", "--model", "tiny-moe", "--rounds", "1", "--json", str(out)]) == 0
+    pairs = json.loads(out.read_text())["pairs"]
+    assert [p["key"] for p in pairs] == list(plan_accuracy.DEFAULT_CASES)
+    assert all(p["model"] == "tiny-moe" and p["predicted"] > 0 for p in pairs)
+    assert plans[0].moe is not None and plans[0].routing is not None

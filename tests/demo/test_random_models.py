@@ -37,7 +37,7 @@ def test_every_named_shape_parses_and_has_its_real_size():
     for name, shape in SHAPES.items():
         cfg = ModelConfig.from_dict(dict({"torch_dtype": "float32"} | shape), name)
         assert cfg.vocab_size == shape["vocab_size"]
-    assert BF16_SHAPES == {"llama-3.2-1b", "qwen2.5-1.5b", "llama-3.2-3b", "qwen2.5-7b", "llama-3.1-8b"}
+    assert BF16_SHAPES == {"llama-3.2-1b", "qwen2.5-1.5b", "llama-3.2-3b", "qwen2.5-7b", "llama-3.1-8b", "qwen3-moe-2b"}
     # parameter counts of the HF checkpoints (their safetensors totals: 1.24B, 1.54B, 3.21B, 7.62B, 8.03B)
     params = {"llama-3.2-1b": 1_235_814_400, "qwen2.5-1.5b": 1_543_714_304, "llama-3.2-3b": 3_212_749_824,
               "qwen2.5-7b": 7_615_616_512, "llama-3.1-8b": 8_030_261_248}
@@ -142,3 +142,71 @@ def test_sharded_checkpoint_loads_and_generates(tmp_path, monkeypatch, caplog):
         assert len(out[0].outputs[0].token_ids) == 4
     finally:
         llm.close()
+
+
+def test_moe_shapes_count_total_and_active():
+    """The MoE shapes' sizes as documented in demo/shapes.py: every expert stored, top_k read."""
+    counts = {"qwen3-moe-2b": (2_033_635_328, 334_942_208), "qwen3-moe-0.2b": (184_236_032, 52_115_456),
+              "tiny-moe": (625_408, 330_496)}
+    for name, (total, active) in counts.items():
+        cfg = ModelConfig.from_dict(dict({"torch_dtype": "float32"} | SHAPES[name]), name)
+        assert cfg.moe is not None and all(cfg.moe.sparse)
+        assert (cfg.num_params(), cfg.num_params(active=True)) == (total, active), name
+        assert sum(math.prod(s) for _, s, _ in rm.tensor_specs(SHAPES[name])) == total
+    assert 4 * counts["qwen3-moe-2b"][0] < 24 * 2**30  # fp32 fits the peers' 24 GiB machine
+
+
+def test_moe_tensor_names_are_transformers_own():
+    names = {n: s for n, s, _ in rm.tensor_specs(SHAPES["tiny-moe"])}
+    p = "model.layers.1."
+    assert names[f"{p}mlp.gate.weight"] == (8, 128)  # the router [experts, hidden]
+    assert names[f"{p}mlp.experts.7.gate_proj.weight"] == (64, 128)
+    assert names[f"{p}mlp.experts.7.down_proj.weight"] == (128, 64)
+    assert names[f"{p}self_attn.q_norm.weight"] == (32,)
+    assert not any(".mlp.gate_proj." in n or "lm_head" in n for n in names)  # no dense MLP; tied
+    qwen2moe = dict(SHAPES["tiny-moe"], architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe",
+                    shared_expert_intermediate_size=96, mlp_only_layers=[0])
+    specs = {n: s for n, s, _ in rm.tensor_specs(qwen2moe)}
+    assert specs["model.layers.1.mlp.shared_expert.up_proj.weight"] == (96, 128)
+    assert specs["model.layers.1.mlp.shared_expert_gate.weight"] == (1, 128)
+    assert specs["model.layers.0.mlp.gate_proj.weight"] == (128, 128)  # mlp_only_layers: dense
+    assert "model.layers.1.self_attn.q_proj.bias" in specs
+
+
+def test_moe_checkpoint_sharded_bf16(tmp_path):
+    """The MoE tensors go through the same bf16 shard writer (no whole-model copy) and load."""
+    cfg = dict(SHAPES["tiny-moe"], torch_dtype="bfloat16")
+    rm.write_random_checkpoint(tmp_path / "m", cfg, seed=0, sharded=True, max_shard_bytes=100_000)
+    index = json.loads((tmp_path / "m" / rm.INDEX).read_text())
+    assert set(index["weight_map"]) == {n for n, _, _ in rm.tensor_specs(cfg)}
+    assert len(set(index["weight_map"].values())) > 1
+    w = _read(tmp_path / "m")["model.layers.0.mlp.experts.3.up_proj.weight"]
+    assert w.dtype == torch.bfloat16 and abs(w.float().std().item() - 0.02) < 0.004
+
+
+def test_tiny_moe_random_checkpoint_matches_transformers(tmp_path, monkeypatch):
+    """tiny-moe's random checkpoint (random_model_path, as --random-model writes it) loads in
+    Strata and in transformers; the engine's logits (prefill and paged decode) match within 1e-4."""
+    transformers = pytest.importorskip("transformers")
+    monkeypatch.setenv("STRATA_CACHE", str(tmp_path))
+    path = rm.random_model_path("tiny-moe", seed=0)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    llm = LLM(str(path), dtype="float32", max_model_len=64, kv_cache_memory="4MiB", num_threads=1)
+    records = []
+    original = llm.engine.sampler
+
+    def sampler(logits, seqs, *rest):
+        records.extend((list(s.token_ids), row.detach().clone()) for row, s in zip(logits, seqs))
+        return original(logits, seqs, *rest)
+
+    llm.engine.sampler = sampler
+    try:
+        prompts = [{"prompt_token_ids": [5, 17, 300, 9, 44, 812, 3, 77]}, {"prompt_token_ids": [900, 12, 64]}]
+        llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    finally:
+        llm.close()
+    assert len(records) == 8
+    with torch.no_grad():
+        for ids, row in records:
+            ref = hf(torch.tensor([ids])).logits[0, -1].float()
+            torch.testing.assert_close(row.float(), ref, atol=1e-4, rtol=0)
