@@ -37,6 +37,9 @@ class Router(nn.Module):
         self.top_k, self.norm_topk_prob = moe.top_k, moe.norm_topk_prob
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_autocast_enabled(x.device.type):  # training's bf16 autocast would narrow it
+            with torch.autocast(x.device.type, enabled=False):
+                return F.linear(x.float(), self.weight.float())
         return F.linear(x.float(), self.weight.float())
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -103,5 +106,6 @@ class MoEBlock(nn.Module):
             start += n
             tokens = pos // self.top_k
             y = self.experts[e](rows.index_select(0, tokens))
-            out.index_add_(0, tokens, y * flat_w.index_select(0, pos).to(y.dtype)[:, None])
+            y = y * flat_w.index_select(0, pos).to(y.dtype)[:, None]
+            out.index_add_(0, tokens, y.to(out.dtype))  # training's autocast: bf16 experts, fp32 rows
         return out

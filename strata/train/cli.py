@@ -23,8 +23,9 @@ from strata.train.config import (
     load_toml,
 )
 from strata.train.launch import LocalTrainRanks
+from strata.train.moe_loss import imbalance, text_histogram
 from strata.train.preflight import run_checks
-from strata.train.trainer import Trainer
+from strata.train.trainer import Trainer, TrainResult
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ EPILOG = """examples:
 """
 
 FLAG_HELP = {
-    "model": "named size (demo, tiny, smol-135m, qwen-0.5b), a config.json, or an HF checkpoint dir",
+    "model": "named size (demo, tiny, tiny-moe, smol-135m, qwen-0.5b), a config.json, or an HF checkpoint dir",
     "tokenizer": "directory with tokenizer.json (default: the model's, else the demo tokenizer)",
     "data": "text files, JSONL files (a \"text\" field) or directories of them (repeatable)",
     "eval_data": "held-out text for the evaluation loss (repeatable)",
@@ -53,6 +54,10 @@ FLAG_HELP = {
                          "backward: the [tokens, vocab] logits never exist whole (0 = off)",
     "fused_loss": "LM head + cross-entropy fused by chunks of tokens, their gradients computed in the "
                   "forward: no [tokens, vocab] logits, nothing recomputed (--loss-chunk-tokens wins)",
+    "router_aux_loss_coef": "MoE: weight of the load-balancing loss added to the LM loss; None = the "
+                            "model config's router_aux_loss_coef",
+    "router_z_loss_coef": "MoE: weight of the router z-loss (0 = off); None = the model config's "
+                          "router_z_loss_coef",
     "distributed": "data parallelism when there are several ranks: ddp or fsdp (FSDP2 fully_shard)",
     "nproc_per_node": "spawn this many ranks locally (under torchrun its environment decides)",
     "ddp_comm_dtype": "compress DDP's gradient all-reduce to 16 bits (torch comm hook)",
@@ -138,6 +143,12 @@ def _run(cfg: TrainConfig, args: argparse.Namespace) -> int:
         summary = {"steps": result.steps, "final_loss": result.final_loss, "eval_loss": result.eval_loss,
                    "skipped_steps": result.skipped_steps, "checkpoint": str(result.checkpoint),
                    "export": str(export) if export else None, "stopped_by_signal": result.stopped_by_signal}
+        if result.expert_load is not None:
+            first, last = result.expert_load
+            summary["expert_load"] = {"first_step": first.sum(0).tolist(), "last_step": last.sum(0).tolist(),
+                                      "imbalance": [imbalance(first), imbalance(last)],
+                                      "plot": str(result.expert_plot) if result.expert_plot else None}
+            _print_expert_load(result)
         if args.json:
             print(json.dumps(summary))
         else:
@@ -145,3 +156,12 @@ def _run(cfg: TrainConfig, args: argparse.Namespace) -> int:
             print(f"trained to step {result.steps}: loss {result.final_loss:.4f}{ev}; checkpoint "
                   f"{result.checkpoint}" + (f"; exported {export}" if export else ""), file=sys.stderr)
     return 143 if result.stopped_by_signal else 0
+
+
+def _print_expert_load(result: TrainResult) -> None:
+    """The MoE run's per-expert token histogram, first step vs last (stderr, beside the summary)."""
+    first, last = result.expert_load
+    plot = f"; plot {result.expert_plot}" if result.expert_plot else ""
+    print(f"tokens per expert (all MoE layers), first vs last step of this run; load imbalance (max/mean "
+          f"per layer) {imbalance(first):.2f} -> {imbalance(last):.2f}{plot}", file=sys.stderr)
+    print(text_histogram(first.sum(0).tolist(), last.sum(0).tolist()), file=sys.stderr)

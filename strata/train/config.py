@@ -7,6 +7,7 @@ given on the command line. Validated once, at construction, with messages naming
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -54,6 +55,9 @@ class TrainConfig:
     ac_every: int = 2  # selective: checkpoint every k-th decoder layer
     loss_chunk_tokens: int = 0  # LM head + loss over this many tokens at a time (0 = all at once)
     fused_loss: bool = True  # LM head + loss fused by chunks, gradients in the forward (fused_loss.py)
+    # mixture of experts (moe_loss.py): None = the model config's router_aux_loss_coef / router_z_loss_coef
+    router_aux_loss_coef: float | None = None
+    router_z_loss_coef: float | None = None
     # distributed (torchrun's environment, or --nproc-per-node to spawn locally)
     distributed: str = "ddp"
     nproc_per_node: int = 1
@@ -104,6 +108,10 @@ class TrainConfig:
             raise ConfigError(
                 f"train config: warmup_steps = {self.warmup_steps} >= max_steps = {self.max_steps}; the "
                 "learning rate would never decay (lower warmup_steps)")
+        for name in ("router_aux_loss_coef", "router_z_loss_coef"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, (int, float)) and 0 <= value < math.inf):
+                raise ConfigError(f"train config: {name} = {value!r}; expected a number >= 0")
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"train config: threads = {self.threads}; expected >= 1")
 

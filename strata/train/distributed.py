@@ -47,15 +47,18 @@ def _fully_shard():
 
 
 def wrap(module: nn.Module, layers: nn.ModuleList, cfg: TrainConfig, world: World | None,
-         compute_dtype: torch.dtype) -> nn.Module:
-    """`module` (the training wrapper) made data parallel; unchanged for one process."""
+         compute_dtype: torch.dtype, sparse: bool = False) -> nn.Module:
+    """`module` (the training wrapper) made data parallel; unchanged for one process. `sparse`: a
+    mixture of experts, where an expert no token of a rank picked has no gradient there, so the
+    ranks must reduce the unused parameters too (DDP's find_unused_parameters, FSDP2's
+    reduce_scatter_unused_params) or the collectives would not match."""
     if world is None:
         return module
     cuda = cfg.device.startswith("cuda")
     if cfg.distributed == "ddp":
         ddp = nn.parallel.DistributedDataParallel(
             module, device_ids=[world.local_rank] if cuda else None, bucket_cap_mb=cfg.ddp_bucket_mb,
-            gradient_as_bucket_view=True)
+            gradient_as_bucket_view=True, find_unused_parameters=sparse)
         hook = compression_hook(cfg.ddp_comm_dtype)
         if hook is not None:
             ddp.register_comm_hook(state=None, hook=hook)
@@ -71,6 +74,11 @@ def wrap(module: nn.Module, layers: nn.ModuleList, cfg: TrainConfig, world: Worl
     for layer in layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(module, mesh=mesh, mp_policy=mp)
+    if sparse:
+        if not hasattr(module, "set_reduce_scatter_unused_params"):
+            raise ConfigError("--distributed fsdp of a mixture of experts needs FSDP2's "
+                              "set_reduce_scatter_unused_params (a newer torch); use --distributed ddp")
+        module.set_reduce_scatter_unused_params(True)
     return module
 
 
@@ -81,6 +89,15 @@ def all_mean(value: float, world: World | None, device: str) -> float:
     t = torch.tensor([value], dtype=torch.float64, device=device)
     dist.all_reduce(t)
     return float(t.item()) / world.world_size
+
+
+def all_sum(t: torch.Tensor, world: World | None, device: str) -> torch.Tensor:
+    """The sum of a per-rank tensor over the world, on the CPU (every rank gets it)."""
+    if world is None:
+        return t
+    out = t.to(device)
+    dist.all_reduce(out)
+    return out.cpu()
 
 
 def barrier(world: World | None) -> None:

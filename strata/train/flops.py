@@ -6,9 +6,9 @@ from strata.model_config import ModelConfig
 
 
 def matmul_params(cfg: ModelConfig) -> int:
-    """Parameters that take part in matmuls: everything but the embedding lookup (the LM head
-    is a matmul even when tied to the embedding)."""
-    return cfg.num_params() - cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2) \
+    """Parameters that take part in a token's matmuls: everything but the embedding lookup (the LM
+    head is a matmul even when tied to the embedding); of an MoE layer, the experts a token uses."""
+    return cfg.num_params(active=True) - cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2) \
         + cfg.vocab_size * cfg.hidden_size
 
 

@@ -20,11 +20,12 @@ from strata.demo.train_tokenizer import DEMO_DIR
 from strata.errors import ConfigError
 from strata.graph.loader import load_model
 from strata.graph.models.llama import CausalLM
+from strata.graph.moe import Router
 from strata.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
-NAMED_SIZES = ("demo", *SHAPES)
+NAMED_SIZES = ("demo", *SHAPES)  # SHAPES has MoE ones too (tiny-moe: a 2-layer Qwen3-MoE)
 
 
 @dataclass
@@ -87,8 +88,8 @@ def load_tokenizer(tok_dir: Path) -> tokenizers.Tokenizer:
 
 
 def init_weights(model: CausalLM, std: float, seed: int) -> None:
-    """N(0, std) embeddings and projections, std / sqrt(2 x layers) for the two that write into the
-    residual stream (o_proj, down_proj, as GPT-2), zero biases, unit norms; seeded."""
+    """N(0, std) embeddings, projections and MoE routers, std / sqrt(2 x layers) for the two that
+    write into the residual stream (o_proj, down_proj, as GPT-2), zero biases, unit norms; seeded."""
     g = torch.Generator().manual_seed(seed)
     residual_std = std / math.sqrt(2 * max(1, len(model.layers)))
     with torch.no_grad():
@@ -100,6 +101,8 @@ def init_weights(model: CausalLM, std: float, seed: int) -> None:
                 module.weight.copy_(torch.randn(module.weight.shape, generator=g) * s)
                 if getattr(module, "bias", None) is not None:
                     module.bias.zero_()
+            elif isinstance(module, Router):  # a plain weight, not a Linear (transformers: N(0, std))
+                module.weight.copy_(torch.randn(module.weight.shape, generator=g) * std)
             elif hasattr(module, "eps") and hasattr(module, "weight"):  # RMSNorm
                 module.weight.fill_(1.0)
 

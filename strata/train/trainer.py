@@ -36,6 +36,13 @@ from strata.train.flops import train_flops_per_token
 from strata.train.fused_loss import fused_cross_entropy, fused_loss_applies
 from strata.train.metrics import MetricsSink, SpikeDetector, peak_memory_bytes
 from strata.train.model_init import build_model, load_tokenizer, resolve
+from strata.train.moe_loss import (
+    RouterLosses,
+    RouterStats,
+    imbalance,
+    plot_histogram,
+    router_losses,
+)
 from strata.train.optim import lr_at, make_optimizer, set_lr
 from strata.train.precision import Precision, resolve_precision
 
@@ -56,15 +63,29 @@ class LanguageModelLoss(nn.Module):
 
     Else with `fused` (the default), the LM head and the loss run fused by chunks with their
     gradients computed in the forward (fused_loss.py: no whole logits either, nothing recomputed)
-    while grad mode is on and the head is a plain linear one (no logit soft-capping)."""
+    while grad mode is on and the head is a plain linear one (no logit soft-capping).
 
-    def __init__(self, lm: CausalLM, chunk_tokens: int = 0, fused: bool = False) -> None:
+    With `router` (an MoE model) and in train mode, the MoE terms are added (moe_loss.py) and
+    `router_stats` holds the last forward's, for the log; eval mode returns the LM loss alone."""
+
+    def __init__(self, lm: CausalLM, chunk_tokens: int = 0, fused: bool = False,
+                 router: RouterLosses | None = None) -> None:
         super().__init__()
         self.lm = lm
         self.chunk_tokens = chunk_tokens
         self.fused = fused_loss_applies(lm.config, fused, chunk_tokens)
+        self.router = router
+        self.router_stats: RouterStats | None = None
 
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if self.router is None or not self.training:
+            return self._lm_loss(input_ids, targets)
+        with self.router.collect() as gate_logits:
+            loss = self._lm_loss(input_ids, targets)
+        loss, self.router_stats = self.router.add_to(loss, gate_logits)
+        return loss
+
+    def _lm_loss(self, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         hidden = self.lm(input_ids, positions)
         if self.fused and torch.is_grad_enabled():
@@ -84,14 +105,28 @@ class LanguageModelLoss(nn.Module):
 
 
 @dataclass
+class MoEStep:
+    """A step's MoE terms: world means of the losses, the world's expert counts [layers, experts]."""
+
+    aux_loss: float
+    z_loss: float
+    counts: torch.Tensor
+
+    @property
+    def imbalance(self) -> float:
+        return imbalance(self.counts)
+
+
+@dataclass
 class StepResult:
     step: int
-    loss: float
+    loss: float  # the LM loss (an MoE model's objective adds the terms in `moe`)
     grad_norm: float
     lr: float
     skipped: bool
     seconds: float
     tokens: int
+    moe: MoEStep | None = None
 
 
 @dataclass
@@ -103,6 +138,9 @@ class TrainResult:
     skipped_steps: int = 0
     checkpoint: Path | None = None
     stopped_by_signal: bool = False
+    # MoE: tokens per expert [MoE layers, experts] at this run's first and last step, the plot
+    expert_load: tuple[torch.Tensor, torch.Tensor] | None = None
+    expert_plot: Path | None = None
 
 
 class Trainer:
@@ -136,7 +174,12 @@ class Trainer:
         self.precision = Precision(dtype, cfg.device)
         self.lm = build_model(self.src, cfg.seed, None).to(cfg.device)
         self.num_checkpointed = apply_activation_checkpointing(self.lm, cfg.activation_checkpointing, cfg.ac_every)
-        self.module = distributed.wrap(LanguageModelLoss(self.lm, cfg.loss_chunk_tokens, cfg.fused_loss), self.lm.layers, cfg, self.world, dtype)
+        self.router = router_losses(self.lm, self.model_config.moe, cfg.router_aux_loss_coef, cfg.router_z_loss_coef)
+        if self.router is None and (cfg.router_aux_loss_coef or cfg.router_z_loss_coef):
+            logger.warning("--router-aux-loss-coef / --router-z-loss-coef ignored: %s is not an MoE model", cfg.model)
+        self.loss_fn = LanguageModelLoss(self.lm, cfg.loss_chunk_tokens, cfg.fused_loss, self.router)
+        self.module = distributed.wrap(self.loss_fn, self.lm.layers, cfg, self.world, dtype,
+                                       sparse=self.router is not None)
         self.optimizer = make_optimizer(self.module, cfg)
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.flops_per_token = train_flops_per_token(self.model_config, cfg.seq_len)
@@ -190,6 +233,7 @@ class Trainer:
         lr = lr_at(step, cfg)
         set_lr(self.optimizer, lr)
         total = 0.0
+        moe = _MoESums()
         for micro in range(cfg.grad_accum):
             first = batch_for(step, micro, self.rank, micro_batch=cfg.micro_batch_size,
                               grad_accum=cfg.grad_accum, world_size=self.world_size)
@@ -199,6 +243,8 @@ class Trainer:
                 loss = self.module(inputs, targets) / cfg.grad_accum
             self.precision.scale(loss).backward()
             total += float(loss.detach())
+            if self.router is not None:
+                moe.add(self.loss_fn.router_stats, cfg.grad_accum)
         self.precision.unscale(self.optimizer)
         norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
         if hasattr(norm, "full_tensor"):  # FSDP: a DTensor
@@ -207,9 +253,16 @@ class Trainer:
         finite = math.isfinite(grad_norm) and math.isfinite(total)
         stepped = self.precision.step(self.optimizer, finite)
         self.optimizer.zero_grad(set_to_none=True)
+        moe_step = None
+        if self.router is not None:  # each rank's terms are of its own tokens (transformers' way)
+            total = moe.lm_loss
+            moe_step = MoEStep(distributed.all_mean(moe.aux_loss, self.world, cfg.device),
+                               distributed.all_mean(moe.z_loss, self.world, cfg.device),
+                               distributed.all_sum(moe.counts, self.world, cfg.device))
         loss_mean = distributed.all_mean(total, self.world, cfg.device)
         tokens = cfg.tokens_per_micro_batch * cfg.grad_accum * self.world_size
-        result = StepResult(step, loss_mean, grad_norm, lr, not stepped, time.perf_counter() - start, tokens)
+        result = StepResult(step, loss_mean, grad_norm, lr, not stepped, time.perf_counter() - start, tokens,
+                            moe_step)
         self.step += 1
         return result
 
@@ -365,18 +418,22 @@ class Trainer:
         losses: list[float] = []
         last_ckpt = None
         eval_loss = None
+        load: list[torch.Tensor] = []  # an MoE model's expert counts at this run's first and last step
         window_tokens, window_s = 0, 0.0
         try:
             with reference_kernels():  # the CPU fast paths are inference-only (no backward)
                 while self.step < cfg.max_steps:
                     r = self.train_step()
                     losses.append(r.loss)
+                    if r.moe is not None:
+                        load = [load[0] if load else r.moe.counts, r.moe.counts]
                     self._guard(r)
                     window_tokens += r.tokens
                     window_s += r.seconds
                     if bar is not None:
                         bar.update(1)
-                        bar.set_postfix(loss=f"{r.loss:.3f}", tok_s=f"{r.tokens / r.seconds:,.0f}")
+                        bar.set_postfix(loss=f"{r.loss:.3f}", tok_s=f"{r.tokens / r.seconds:,.0f}",
+                                        **_moe_postfix(r.moe))
                     if self.step % cfg.log_every == 0 or self.step == cfg.max_steps:
                         self._log(r, window_tokens, window_s)
                         window_tokens, window_s = 0, 0.0
@@ -386,7 +443,8 @@ class Trainer:
                         last_ckpt = self.save_checkpoint()
                         logger.warning("signal %d: saved %s and stopped at step %d", self._stop_signal,
                                        last_ckpt, self.step)
-                        return TrainResult(self.step, r.loss, None, losses, self.skipped_total, last_ckpt, True)
+                        return TrainResult(self.step, r.loss, None, losses, self.skipped_total, last_ckpt, True,
+                                           *self._expert_report(load))
                     if cfg.save_every and self.step % cfg.save_every == 0 and self.step < cfg.max_steps:
                         last_ckpt = self.save_checkpoint()
                 last_ckpt = self.save_checkpoint()
@@ -398,16 +456,33 @@ class Trainer:
                 bar.close()
             self.metrics.close()
         return TrainResult(self.step, losses[-1] if losses else float("nan"), eval_loss, losses,
-                           self.skipped_total, last_ckpt)
+                           self.skipped_total, last_ckpt, False, *self._expert_report(load))
+
+    def _expert_report(self, load: list[torch.Tensor]) -> tuple:
+        """(first, last step's expert counts) and rank 0's plot of them, or (None, None)."""
+        if not load:
+            return None, None
+        first, last = load
+        plot = None
+        if self.rank == 0:
+            try:
+                plot = plot_histogram(first, last, self.out / "expert_load.svg")
+            except Exception as e:  # a report, never a reason to fail a finished run
+                logger.warning("no expert-load plot (%s)", e)
+        return (first, last), plot
 
     def _log(self, r: StepResult, tokens: int, seconds: float) -> None:
         tok_s = tokens / seconds if seconds > 0 else 0.0
         mfu = tok_s * self.flops_per_token / (self.peak_flops * self.world_size) if self.peak_flops else 0.0
-        self.metrics.log(r.step + 1, {
+        values = {
             "loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm, "tokens_per_s": tok_s, "mfu": mfu,
             "peak_memory_bytes": peak_memory_bytes(self.cfg.device), "loss_scale": self.precision.loss_scale(),
             "skipped_steps": self.skipped_total, "loss_spikes": self.spikes.count, "step_s": r.seconds,
-        })
+        }
+        if r.moe is not None:  # expert_load (pooled over the MoE layers) goes to metrics.jsonl only
+            values.update(aux_loss=r.moe.aux_loss, z_loss=r.moe.z_loss, expert_imbalance=r.moe.imbalance,
+                          expert_load=r.moe.counts.sum(0).tolist())
+        self.metrics.log(r.step + 1, values)
 
     def _log_eval(self) -> float | None:
         loss = self.evaluate()
@@ -428,3 +503,22 @@ class Trainer:
             raise RuntimeError(f"export: state dict mismatch (missing {missing}, unexpected {unexpected})")
         plain.tie_weights()
         return export_hf(plain, self.src.config, self.src.tokenizer_dir, Path(dest), self.bos, self.eos_ids, dtype)
+
+
+class _MoESums:
+    """A step's MoE terms summed over its micro-batches (each / grad_accum, as the loss)."""
+
+    def __init__(self) -> None:
+        self.lm_loss = self.aux_loss = self.z_loss = 0.0
+        self.counts: torch.Tensor | None = None
+
+    def add(self, stats: RouterStats, grad_accum: int) -> None:
+        self.lm_loss += float(stats.lm_loss) / grad_accum
+        self.aux_loss += float(stats.aux_loss) / grad_accum
+        self.z_loss += float(stats.z_loss) / grad_accum
+        self.counts = stats.counts if self.counts is None else self.counts + stats.counts
+
+
+def _moe_postfix(moe: MoEStep | None) -> dict[str, str]:
+    """The progress bar's MoE fields: the aux loss and the load imbalance (max / mean)."""
+    return {} if moe is None else {"aux": f"{moe.aux_loss:.3f}", "imb": f"{moe.imbalance:.2f}"}

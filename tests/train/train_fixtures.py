@@ -32,6 +32,21 @@ def tiny_train_dir(tmp_path_factory) -> Path:
     return d
 
 
+@pytest.fixture(scope="session")
+def tiny_moe_dir(tiny_train_dir, tmp_path_factory) -> Path:
+    """config.json of a 2-layer Qwen3-MoE (8 experts, top 2, q/k norms) on the demo tokenizer, and
+    the tiny Llama's train.txt."""
+    d = tmp_path_factory.mktemp("tiny-moe")
+    cfg = demo_config()
+    cfg.update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=32,
+               num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+               intermediate_size=64, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+               norm_topk_prob=True, router_aux_loss_coef=0.01, max_position_embeddings=256)
+    (d / "config.json").write_text(json.dumps(cfg))
+    (d / "train.txt").write_text((tiny_train_dir / "train.txt").read_text())
+    return d
+
+
 def train_argv(d: Path, out: Path, *extra: str) -> list[str]:
     """`strata train` arguments for the tiny model; `extra` overrides (argparse: last one wins)."""
     return ["train", "--model", str(d / "config.json"), "--data", str(d / "train.txt"),
