@@ -187,37 +187,10 @@ if numba is not None:
         qn, kn, qk_whole, clip,
         cos, sin, slots, tables, lens, threads, h, qkv, q3, attn3, attn, o, act, out, res_out,
     ):  # pragma: no cover - compiled
-        """An MoE layer's attention half (its experts run after the router: moe_experts)."""
+        """An MoE layer's attention half (the router and experts follow: kernels/cpu_moe.py)."""
         _attend(x, residual, has_residual, k_cache, v_cache, ln1, ln2, eps, wqkv, sqkv, bqkv, gqkv, vqkv,
                 wo, so, bo, go, vo, heads, kv_heads, scale, window, qn, kn, qk_whole, clip,
                 cos, sin, slots, tables, lens, threads, h, qkv, q3, attn3, attn, o, res_out)
-
-    @njit(cache=True)
-    def moe_experts(h, ids, weights, wgu, sgu, ggu, vgu, wd, sd, gd, vd, xs, act, ys, who, wt, counts,
-                    threads, out):  # pragma: no cover - compiled
-        """out = sum over each row's picked experts of weight * expert(h row), one pass per expert
-        picked (its rows gathered into xs: the few-row kernels read its weights once), in expert
-        order as the eager block (graph/moe.py). wgu/sgu/wd/sd: typed lists, one entry per expert;
-        vgu/vd: the int8-activation choice by row count."""
-        rows, k = ids.shape
-        out[:] = 0
-        for e in range(len(wgu)):
-            n = 0
-            for r in range(rows):
-                for j in range(k):
-                    if ids[r, j] == e:
-                        xs[n] = h[r]
-                        who[n] = r
-                        wt[n] = weights[r, j]
-                        n += 1
-            if n == 0:
-                continue
-            counts[e] += n
-            project_swiglu(wgu[e], sgu[e], xs[:n], act[:n], ggu, vgu[n], threads)
-            project(wd[e], sd[e], act[:n], ys[:n], gd, vd[n], threads)
-            for i in range(n):
-                for c in range(out.shape[1]):
-                    out[who[i], c] += ys[i, c] * wt[i]
 
     @njit(cache=True)
     def shared_expert(h, wgu, sgu, ggu, vgu, wd, sd, gd, vd, gate, act, ys, threads, out):  # pragma: no cover
@@ -231,10 +204,6 @@ if numba is not None:
             g = np.float32(1.0) / (np.float32(1.0) + np.exp(-g))
             for c in range(out.shape[1]):
                 out[r, c] += g * ys[r, c]
-
-    def expert_list(arrays: list) -> object:
-        """The arrays of every expert as one numba typed list (moe_experts indexes it by expert id)."""
-        return numba.typed.List(arrays)
 
     llama_layer = _layer  # the Llama-shaped layer's run (decode_layers' calling convention)
     moe_attention = _moe_layer  # an MoE layer's attention half, same convention (out left untouched)

@@ -34,7 +34,7 @@ import torch
 from strata.graph.layers import Linear, RMSNorm
 from strata.graph.models.llama import DecoderLayer, MoEDecoderLayer
 from strata.graph.moe import MoEBlock
-from strata.kernels import cpu_attention, cpu_decode_layer
+from strata.kernels import cpu_attention, cpu_decode_layer, cpu_moe
 from strata.kernels.cpu_decode_layer import NO_ARRAY, uses_vnni
 
 Builder = Callable[[torch.nn.Module, torch.Tensor, int], "tuple | str"]
@@ -185,18 +185,24 @@ class _Experts:
         kinds = {(p[0][0], p[0][2].ndim, p[0][4], p[1][0], p[1][2].ndim, p[1][4]) for p in parts}
         if len(kinds) > 1:
             return "experts in different weight formats"
-        typed = cpu_decode_layer.expert_list
+        typed = cpu_moe.typed_list
         return (typed([p[0][1] for p in parts]), typed([p[0][2] for p in parts]),
                 typed([p[1][1] for p in parts]), typed([p[1][2] for p in parts]), parts[0][0], parts[0][1])
 
 
-def _moe_run(x, residual, has_residual, attention, block, experts, shared, *step):
-    """An MoE layer: the compiled attention half, the block's own router (the eager ops, so ties
-    break the same), the compiled expert dispatch, then the shared expert where there is one."""
+def _moe_run(x, residual, has_residual, attention, block, router, experts, shared, *step):
+    """An MoE layer: the compiled attention half, the compiled router (a tie at the k-th place:
+    the block's own Router, so ties break as the eager block breaks them), the routed experts,
+    then the shared expert where there is one."""
     cpu_decode_layer.moe_attention(x, residual, has_residual, *attention, *step)
     h, threads, out = step[6], step[5], step[-2]
-    _, weights, ids = block.gate(torch.from_numpy(h))
-    cpu_decode_layer.moe_experts(h, ids.numpy(), weights.numpy(), *experts, threads, out)
+    weight, top_k, norm, ids, weights = router
+    rows = h.shape[0]
+    ids, weights = ids[:rows], weights[:rows]
+    if cpu_moe.route(h, weight, top_k, norm, ids, weights):
+        _, w, i = block.gate(torch.from_numpy(h))
+        ids[:], weights[:] = i.numpy(), w.numpy()
+    cpu_moe.experts(h, ids, weights, *experts, threads, out)
     if shared is not None:
         cpu_decode_layer.shared_expert(h, *shared, threads, out)
 
@@ -214,9 +220,15 @@ def moe_layer(layer: MoEDecoderLayer, kv_cache: torch.Tensor, rows: int) -> tupl
     experts = _Experts.of(block.experts, rows)
     if isinstance(experts, str):
         return experts
-    hidden, inter = block.gate.weight.shape[1], block.experts[0].intermediate
-    scratch = (np.empty((rows, hidden), np.float32), np.empty((rows, inter), np.float32),
-               np.empty((rows, hidden), np.float32), np.empty(rows, np.int64), np.empty(rows, np.float32))
+    gate = block.gate.weight
+    if gate.dtype is not torch.float32 or not gate.is_contiguous():
+        return "a router weight not plain fp32"
+    hidden, inter, pairs, n_exp = gate.shape[1], block.experts[0].intermediate, rows * block.top_k, block.num_experts
+    scratch = (np.empty((pairs, hidden), np.float32), np.empty((pairs, inter), np.float32),
+               np.empty((pairs, hidden), np.float32), np.empty(pairs, np.int64), np.empty(pairs, np.float32),
+               np.empty(n_exp, np.int64), np.empty(n_exp, np.int64), np.empty(n_exp, np.int64))
+    router = (gate.detach().numpy(), block.top_k, block.gate.norm_topk_prob,
+              np.empty((rows, block.top_k), np.int64), np.empty((rows, block.top_k), np.float32))
     shared = None
     if block.shared_expert is not None:
         parts = _mlp_parts(block.shared_expert)
@@ -228,4 +240,4 @@ def moe_layer(layer: MoEDecoderLayer, kv_cache: torch.Tensor, rows: int) -> tupl
                   np.empty((rows, block.shared_expert.intermediate), np.float32), np.empty((rows, hidden), np.float32))
     views, own = attention
     counts = block.token_counts.numpy() if block.token_counts.is_cpu else np.zeros(block.num_experts, np.int64)
-    return _moe_run, ((*views, *own), block, (*experts, *scratch, counts), shared)
+    return _moe_run, ((*views, *own), block, router, (*experts, *scratch, counts), shared)
