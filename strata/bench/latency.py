@@ -182,9 +182,10 @@ def run(args: argparse.Namespace) -> int:
             for i in range(args.warmup)]
     warm_len = min(args.output_len, 8)
     params, held, kvtok = cfg.num_params(), eng.plan.weight_bytes, eng.plan.kv_bytes_per_token
-    # what a decode step reads: an untied input embedding is looked up, not streamed
+    # what a decode step reads: an untied input embedding is looked up, not streamed; an MoE
+    # model's step, the experts its batch picks (expected under uniform routing: memory/planner.py)
     wbytes = memory_planner.streamed_weight_bytes(cfg, eng.dtype, eng.config.quantization,
-                                                  eng.config.quantization_group_size)
+                                                  eng.config.quantization_group_size, tokens=args.batch)
     info = {
         "benchmark": NAME, "model": str(eng.model_path), "architecture": cfg.architecture, "params": params,
         "dtype": str(eng.dtype).replace("torch.", ""), "device": args.device, "threads": eng.threads,
@@ -248,7 +249,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.compare == "hf":
         path, dtype, threads = eng.model_path, eng.dtype, eng.threads
-        hf_fig = dict(fig, weight_bytes=memory_planner.streamed_weight_bytes(cfg, dtype))  # transformers reads float weights
+        hf_fig = dict(fig, weight_bytes=memory_planner.streamed_weight_bytes(cfg, dtype, tokens=args.batch))  # transformers reads float weights
         del llm, eng
         gc.collect()  # free Strata's KV cache before loading the peer
         torch.set_num_threads(threads)
