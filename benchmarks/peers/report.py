@@ -173,7 +173,8 @@ def render_markdown(res: dict) -> str:
             bw = sr["workload"]
             w(f"A big shape: {bw.get('lat_in')}-token prompt, {bw.get('lat_out')} output tokens, llama-bench "
               f"`-r {bw.get('bench_reps')}`, Strata `--repeats {bw.get('repeats')}`, {bw.get('rounds')} round(s); "
-              "bf16, int8 and int4 weights only (llama-3.1-8b: int4), no fp32 or transformers row.\n")
+              "the formats settings.BIG_PRECISIONS gives this shape (llama-3.2-3b: bf16, int8, int4; "
+              "llama-3.1-8b: int4; the MoE shape, 8.1 GB in fp32: every format, transformers' fp32 row too).\n")
         if has_rss(sr):
             w("Peak RSS = the process's \"Maximum resident set size\" (GNU `time -f %M`), the highest over the "
               "rounds; for llama.cpp the higher of its runs before and after Strata's, which counts the GGUF "
