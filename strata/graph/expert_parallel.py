@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from strata.errors import ConfigError
-from strata.graph.moe import MoEBlock, grouped_by_expert
+from strata.graph.moe import MoEBlock, grouped_by_expert, route
 
 
 def expert_range(num_experts: int, rank: int, world_size: int) -> range:
@@ -56,9 +56,7 @@ class ExpertParallelMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         rows = x.reshape(-1, shape[-1])
-        logits, weights, ids = self.gate(rows)
-        if self.router_logits_sink is not None:
-            self.router_logits_sink.append(logits)
+        weights, ids = route(self, rows)
         if not torch.is_grad_enabled() and self.token_counts.device == ids.device:
             self.token_counts += torch.bincount(ids.reshape(-1), minlength=self.num_experts)
         t, n = rows.shape[0], self.world_size

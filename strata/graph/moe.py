@@ -52,6 +52,15 @@ class Router(nn.Module):
         return logits, weights, ids
 
 
+def route(block, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights, ids) of rows [T, hidden] by the block's router, its logits handed to the block's
+    router_logits_sink when training set one (MoEBlock and the expert-parallel block alike)."""
+    logits, weights, ids = block.gate(rows)
+    if block.router_logits_sink is not None:
+        block.router_logits_sink.append(logits)
+    return weights, ids
+
+
 def grouped_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, list[int]]:
     """(the flattened (token, slot) positions sorted by expert id, stable; each expert's count)."""
     flat = ids.reshape(-1)
@@ -82,9 +91,7 @@ class MoEBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         rows = x.reshape(-1, shape[-1])
-        logits, weights, ids = self.gate(rows)
-        if self.router_logits_sink is not None:
-            self.router_logits_sink.append(logits)
+        weights, ids = route(self, rows)
         out = self.routed(rows, weights, ids)
         if self.shared_expert is not None:
             gate = torch.sigmoid(F.linear(rows, self.shared_expert_gate.weight.to(rows.dtype)))
