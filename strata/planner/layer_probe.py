@@ -64,18 +64,19 @@ class LayerTimes:
 _CACHE: dict[tuple, LayerTimes] = {}
 
 
-def _median_seconds(fn, device: torch.device) -> float:
-    """Median of REPEATS calls: a prefill runs each layer once, so the typical call is the figure,
-    not the luckiest one."""
+def median_seconds(fn, device: torch.device, repeats: int = REPEATS, warmup: int = 0) -> float:
+    """Median of `repeats` calls after `warmup` untimed ones: a prefill runs each layer once, so
+    the typical call is the figure, not the luckiest one."""
     times = []
-    for _ in range(REPEATS):
+    for i in range(warmup + repeats):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
         fn()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t0)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
 
@@ -133,10 +134,10 @@ def _measure(cfg: ModelConfig, dtype: torch.dtype, tokens: int, device: str, qua
         scale = cfg.head_dim**-0.5
         for _ in range(copies):
             whole()  # warm-up: first-call costs (allocator, kernel selection, numba)
-        whole_s = _median_seconds(whole, dev)
-        gemm_s = _median_seconds(projections, dev)
+        whole_s = median_seconds(whole, dev)
+        gemm_s = median_seconds(projections, dev)
         sdpa = resolve_backend("sdpa")
-        attn_s = _median_seconds(lambda: sdpa.prefill(q, kv, kv, caches[0], span, scale), dev)
+        attn_s = median_seconds(lambda: sdpa.prefill(q, kv, kv, caches[0], span, scale), dev)
     elementwise = max(0.0, whole_s - gemm_s - attn_s)
     times = LayerTimes(tokens, gemm_s, attn_s, elementwise)
     logger.info("layer probe %s %s at %d tokens: gemm %.2f ms, attention %.2f ms, elementwise %.2f ms",

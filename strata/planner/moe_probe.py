@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import statistics
-import time
 
 import torch
 
@@ -27,6 +26,7 @@ from strata.graph.moe import MoEBlock
 from strata.model_config import ModelConfig
 from strata.planner.cost_model import Routing
 from strata.planner.decode_probe import store_like_engine
+from strata.planner.layer_probe import median_seconds
 
 logger = logging.getLogger(__name__)
 
@@ -35,20 +35,6 @@ PROBE_WIDTH = 32  # expert width: int4's smallest group, so every weight format 
 WARMUP, REPEATS = 3, 15
 
 _CACHE: dict[tuple, Routing] = {}
-
-
-def _median_s(fn, device: torch.device) -> float:
-    times = []
-    for i in range(WARMUP + REPEATS):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if i >= WARMUP:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def fit_routing(experts: list[float], seconds: list[float], source: str) -> Routing:
@@ -75,7 +61,7 @@ def _measure(cfg: ModelConfig, dtype: torch.dtype, quantization: str | None, gro
     for b in PROBE_BATCHES:
         x = torch.randn(b, cfg.hidden_size, device=dev, dtype=dtype)
         experts.append(float(block.gate(x)[2].unique().numel()))
-        seconds.append(_median_s(lambda x=x: block(x), dev))
+        seconds.append(median_seconds(lambda x=x: block(x), dev, REPEATS, WARMUP))
     routing = fit_routing(experts, seconds, f"measured here (moe_probe.py: MoEBlock at {cfg.moe.num_experts} "
                           f"experts, top {cfg.moe.top_k}, batches {list(PROBE_BATCHES)})")
     logger.info("moe probe: %s ms at %s distinct experts -> %.1f us a layer + %.1f us an expert",
