@@ -17,6 +17,7 @@ _EXPORTS = {
     "StructuredOutput": "strata.protocol.sampling_params",
     "RequestOutput": "strata.protocol.outputs",
     "CompletionOutput": "strata.protocol.outputs",
+    "LoRARequest": "strata.protocol.lora",
 }
 __all__ = list(_EXPORTS)
 

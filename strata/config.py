@@ -113,8 +113,35 @@ class EngineConfig:
     tokenizer: str | None = None  # a directory with tokenizer.json to use instead of the model's
     # sampling defaults: auto = the model's generation_config.json, vllm = none (vLLM's name), or a directory
     generation_config: str = "auto"
+    # LoRA adapters (vLLM's names; graph/lora.py, engine/lora_manager.py): adapters resident in one
+    # batch (a request's adapter waits while max_loras others run), the largest rank they may have,
+    # and how many adapters' weights the host keeps read (an LRU; None = max_loras)
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+
+    def _check_lora(self) -> None:
+        if not isinstance(self.enable_lora, bool):
+            raise ConfigError(f"enable_lora: must be True or False, got {self.enable_lora!r}")
+        for name in ("max_loras", "max_lora_rank") + (("max_cpu_loras",) if self.max_cpu_loras is not None else ()):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(f"{name}: must be a positive integer, got {v!r}")
+        if self.max_lora_rank > 512:
+            raise ConfigError(f"max_lora_rank: {self.max_lora_rank} is above the 512 supported")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ConfigError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras}): "
+                              "the adapters of a batch are read on the host first")
+        if self.enable_lora and self.tensor_parallel_size != 1:
+            raise ConfigError("enable_lora does not support tensor parallelism yet (the adapters' A/B are not "
+                              "sharded); use --tensor-parallel-size 1")
+        if self.enable_lora and (self.fuse or self.compile or self.cuda_graphs):
+            raise ConfigError("enable_lora does not support --fuse / --compile / CUDA graphs yet (the traced or "
+                              "captured step has no adapter inputs); drop one of them")
 
     def __post_init__(self) -> None:
+        self._check_lora()
         if self.dtype not in ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"):
             raise ConfigError(
                 f"dtype: unknown {self.dtype!r}; choose auto, float32, bfloat16 or float16"

@@ -96,6 +96,13 @@ FLAGS: tuple[_Flag, ...] = (
           "ranks are spawned, or run the command under torchrun)", type=int),
     _Flag("enable_expert_parallel", "MoE models: split the experts across the tensor-parallel ranks, tokens sent to "
           "their experts' rank and back with all-to-alls (vLLM's name; attention stays tensor-parallel)", kind="true"),
+    _Flag("enable_lora", "serve LoRA adapters (PEFT directories): each request may name one; requests with "
+          "different adapters share a batch", kind="true"),
+    _Flag("max_loras", "LoRA adapters resident in one batch (a request whose adapter does not fit waits)", type=int),
+    _Flag("max_lora_rank", "the largest LoRA rank an adapter may have (the resident adapters are padded to it)",
+          type=int),
+    _Flag("max_cpu_loras", "LoRA adapters whose weights the host keeps read (least recently used dropped first)",
+          type=int, default_text="--max-loras"),
     _Flag("comm_dtype", "compress the tensor-parallel all-reduce to this dtype", choices=("bfloat16", "float16"),
           default_text="the activations' dtype"),
     _Flag("comm_timeout", "seconds a collective may take before a rank counts as dead", type=float),

@@ -33,6 +33,7 @@ from strata.demo.model import demo_model_path
 from strata.engine.draft_model import DraftModelProposer
 from strata.engine.grammar import GrammarCompiler
 from strata.engine.lifecycle import SequenceLifecycle
+from strata.engine.lora_manager import LoRAManager
 from strata.engine.parallel import Ranks
 from strata.engine.preemption import SwapPolicy
 from strata.engine.runner import ModelRunner
@@ -326,6 +327,7 @@ class EngineParts:
     policy: StepPolicy  # the tuners' decisions; the scheduler reads it, the engine feeds it
     ranks: object | None = None  # engine.parallel.Ranks with tensor parallelism
     control: object | None = None  # the Communicator step plans travel on
+    lora: LoRAManager | None = None  # with enable_lora
 
 
 def shard(model, ranks, comm, expert_parallel: bool = False):
@@ -419,6 +421,9 @@ def _build(config: EngineConfig, ckpt: Checkpoint, detokenize: bool, threads: in
         rank_cfg = per_rank_config(cfg, ranks.world.world_size)
         agree = control.all_min
     platform.prepare_model(model, config)
+    lora = None
+    if config.enable_lora:  # the adapters' banks count in the weights the KV plan leaves room for
+        lora = LoRAManager(model, config.max_loras, config.max_lora_rank, config.max_cpu_loras, str(ckpt.path))
     # the loaded model's own bytes: a GGUF's or a prequantized checkpoint's layouts are not the
     # estimate's (memory/planner.weight_bytes counts --quantization's)
     plan, blocks, kv_caches = kv_memory(config, rank_cfg, dtype, max_len, agree, model_weight_bytes(model))
@@ -432,7 +437,7 @@ def _build(config: EngineConfig, ckpt: Checkpoint, detokenize: bool, threads: in
         gc.collect()
     swapper = KVSwapper(kv_caches, blocks.host) if blocks.host is not None else None
     runner = ModelRunner(model, kv_caches, config.block_size, config.device, backend,
-                         forward=forward, decode_step=decode_step, swapper=swapper)
+                         forward=forward, decode_step=decode_step, swapper=swapper, lora=lora)
     grammars = None
     if ckpt.tokenizer is not None:  # structured output; compiled lazily, at the first such request
         grammars = GrammarCompiler(ckpt.tokenizer.to_json(), cfg.vocab_size, ckpt.eos_token_ids)
@@ -449,7 +454,7 @@ def _build(config: EngineConfig, ckpt: Checkpoint, detokenize: bool, threads: in
                              speculative=speculator is not None, workload=workload)
     logger.info("%s platform, %s workload: step policy %s", platform.name, workload, policy.describe())
     scheduler = Scheduler(blocks, config.max_num_seqs, config.max_num_batched_tokens, prefer_swap, lifecycle,
-                          policy, speculator)
+                          policy, speculator, lora)
     sampler = Sampler(cfg.vocab_size, ckpt.eos_token_ids, config.seed)
     return EngineParts(config, threads, ckpt, dtype, max_len, model, plan, blocks, kv_caches, fusion,
-                       runner, scheduler, sampler, platform, policy, ranks, control)
+                       runner, scheduler, sampler, platform, policy, ranks, control, lora)

@@ -13,6 +13,7 @@ from strata.config import EngineConfig
 from strata.engine.llm_engine import LLMEngine
 from strata.engine.llm_kwargs import engine_kwargs
 from strata.errors import RequestError
+from strata.protocol.lora import LoRARequest
 from strata.protocol.outputs import RequestOutput
 from strata.protocol.sampling_params import RequestOutputKind, SamplingParams
 
@@ -72,8 +73,11 @@ class LLM:
         prompts,
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in input order.
+        """Generate for every prompt; outputs come back in input order. lora_request: the LoRA
+        adapter to run with (engine built with enable_lora=True), one for all or one per prompt
+        (None: the base model); requests with different adapters share batches.
 
         Every prompt and parameter set is validated before any work starts; an invalid one
         raises ValueError (RequestError) naming its index and field.
@@ -89,18 +93,25 @@ class LLM:
                 raise RequestError(
                     f"sampling_params: got {len(params)} for {len(items)} prompts; give one or one per prompt"
                 )
+        if isinstance(lora_request, list | tuple):
+            adapters = list(lora_request)
+            if len(adapters) != len(items):
+                raise RequestError(f"lora_request: got {len(adapters)} for {len(items)} prompts; give one or one "
+                                   "per prompt")
+        else:
+            adapters = [lora_request] * len(items)
         batch = []
-        for i, (prompt, p) in enumerate(zip(items, params)):
+        for i, (prompt, p, lora) in enumerate(zip(items, params, adapters)):
             if isinstance(p, SamplingParams):  # only final outputs are read (as vLLM's LLM asks)
                 p = dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
             text, ids = self._to_ids(i, prompt)
-            self.engine.validate(i, ids, p)
-            batch.append((text, ids, p))
+            self.engine.validate(i, ids, p, lora)
+            batch.append((text, ids, p, lora))
         ids_in_order = []
-        for text, ids, p in batch:
+        for text, ids, p, lora in batch:
             rid = str(self._counter)
             self._counter += 1
-            self.engine.add_request(rid, text, ids, p)
+            self.engine.add_request(rid, text, ids, p, lora)
             ids_in_order.append(rid)
         return self._run(ids_in_order, use_tqdm)
 
@@ -127,6 +138,7 @@ class LLM:
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Render each conversation with the checkpoint's chat template, then generate."""
         tok = self.engine.tokenizer
@@ -140,4 +152,4 @@ class LLM:
             if not ids:
                 raise RequestError(f"request {i}: the rendered conversation is empty")
             prompts.append({"prompt": text, "prompt_token_ids": ids})
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)

@@ -24,6 +24,7 @@ from strata.errors import RequestError
 from strata.graph.moe import MoEBlock
 from strata.hardware.profile import HardwareProfile
 from strata.memory.blocks import KVUsage
+from strata.protocol.lora import LoRAError, LoRARequest
 from strata.protocol.outputs import CompletionOutput, RequestOutput
 from strata.protocol.sampling_params import RequestOutputKind, SamplingParams
 from strata.protocol.stats import EngineStats
@@ -53,6 +54,7 @@ class LLMEngine:
         self.runner, self.scheduler, self.sampler = parts.runner, parts.scheduler, parts.sampler
         self.ranks, self._control = parts.ranks, parts.control  # tensor parallelism (engine/parallel.py)
         self.platform = parts.platform
+        self.lora = parts.lora  # engine/lora_manager.LoRAManager with enable_lora
         self.policy = parts.policy  # the tuners' decisions (platform/policy.py), fed after every step
         self.requests: dict[str, Request] = {}
         self.last_schedule = None
@@ -71,6 +73,8 @@ class LLMEngine:
             self.abort(rid)
         if self.runner.swapper is not None:
             self.runner.swapper.close()
+        if self.lora is not None:
+            self.lora.close()
         ranks = self.ranks
         if ranks is not None:
             with contextlib.suppress(Exception):  # the others may be gone already
@@ -146,8 +150,36 @@ class LLMEngine:
             raise RequestError(f"{self.model_path} has no tokenizer.json; pass prompt token ids instead of text")
         return self.tokenizer.encode(prompt)
 
-    def validate(self, index: int, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Raise RequestError naming the request index; nothing is scheduled on failure."""
+    # --- LoRA adapters ---------------------------------------------------------------------
+    def _lora_manager(self):
+        if self.lora is None:
+            raise LoRAError("LoRA adapters need an engine started with enable_lora=True (--enable-lora)")
+        return self.lora
+
+    def add_lora(self, lora: LoRARequest, wait: bool = True):
+        """Register an adapter and read its weights, checked against the base (LoRAError if it does
+        not fit). wait=False: read on a worker thread while steps go on; returns the future."""
+        self._check_open()
+        return self._lora_manager().add(lora, wait)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Refuse the adapter to new requests (those holding it finish); False if it was unknown."""
+        return self._lora_manager().remove(lora_int_id)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return [] if self.lora is None else self.lora.list()
+
+    def validate(self, index: int, prompt_ids: list[int], params: SamplingParams,
+                 lora_request: LoRARequest | None = None) -> None:
+        """Raise RequestError naming the request index; nothing is scheduled on failure. An adapter
+        not yet known is registered and read here (vLLM's LLM.generate(lora_request=) does too)."""
+        if lora_request is not None:
+            if not isinstance(lora_request, LoRARequest):
+                raise RequestError(f"request {index}: lora_request must be a LoRARequest, got "
+                                   f"{type(lora_request).__name__}", param="lora_request")
+            manager = self._lora_manager()
+            if not manager.known(lora_request):
+                manager.add(lora_request)
         limits = ModelLimits(self.model_config.vocab_size, self.max_model_len)
         validate_request(params, limits, [prompt_ids], index=index)  # the model's limits (protocol/validation.py)
         # what only the engine can judge:
@@ -162,12 +194,18 @@ class LLMEngine:
             grammars.matcher(params.structured)  # compiles it now (cached), so a bad one fails here
 
     def add_request(
-        self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams
+        self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
+        lora_request: LoRARequest | None = None,
     ) -> Request:
+        """Queue a request (validated by `validate` first); lora_request: the adapter it runs with,
+        one the engine knows (add_lora, or validate)."""
         self._check_open()
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
-        req = Request(request_id, prompt, list(prompt_ids), params)
+        if lora_request is not None and not self._lora_manager().known(lora_request):
+            raise LoRAError(f"LoRA adapter {lora_request.lora_name} (id {lora_request.lora_int_id}) is not "
+                            "loaded in this engine; add it first (add_lora / --lora-modules)")
+        req = Request(request_id, prompt, list(prompt_ids), params, lora_request)
         self.requests[request_id] = req
         self.scheduler.add_request(req)
         self.runner.weights_may_have_changed()  # the caller held control
@@ -220,6 +258,8 @@ class LLMEngine:
                                                    self.scheduler.speculator)
             sampled = SamplerOutput(tokens, lps)
         touched = self.scheduler.update(out, seqs, sampled)
+        if self.lora is not None:  # removed adapters' weights go once no request holds them
+            self.lora.retire({r.lora_id for r in self.requests.values() if r.lora_id})
         more_forward = 0.0
         if out.num_steps > 1:
             touched, more_forward = self._more_steps(out, seqs, sampled, touched)
@@ -371,7 +411,19 @@ class LLMEngine:
             prefix_evictions=pc.evictions, steps=self.num_steps, stage_seconds=dict(self.stage_seconds),
             prefill_cap=self.policy.prefill_cap or 0,
             expert_tokens={str(i): c for i, c in self.expert_token_counts().items()}, **spec,
+            **self._lora_stats(),
         )
+
+    def _lora_stats(self) -> dict:
+        if self.lora is None:
+            return {}
+        sch = self.scheduler
+
+        def names(seqs) -> tuple:
+            return tuple(sorted({s.request.lora_request.lora_name for s in seqs if s.request.lora_id}))
+
+        return {"lora_running": names(sch.running), "lora_waiting": names((*sch.waiting, *sch.swapped)),
+                "max_loras": self.lora.max_loras}
 
     def check_blocks(self) -> None:
         """Invariant check for tests: the block manager agrees with every live block table."""

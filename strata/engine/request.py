@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from strata.protocol.lora import LoRARequest
 from strata.protocol.sampling_params import SamplingParams
 
 
@@ -31,6 +32,8 @@ class Sequence:
         self.block_table: list[int] = []
         self.host_blocks: list[int] = []  # while swapped out: where its KV waits in host memory
         self.block_hashes: list[int] = []  # prefix-hash chain of the full blocks (memory/blocks.py)
+        # what the KV depends on beyond the tokens: the LoRA adapter (None: the base model's KV)
+        self.cache_salt = ("lora", request.lora_id) if request.lora_id else None
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at last admission
         self.status = SeqStatus.WAITING
         self.logprobs: list[dict[int, float]] = []
@@ -74,9 +77,12 @@ class Timeline:
 
 class Request:
     def __init__(
-        self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams
+        self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
+        self.lora_request = lora_request
+        self.lora_id = lora_request.lora_int_id if lora_request is not None else 0  # 0: the base model
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.params = params

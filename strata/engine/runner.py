@@ -15,6 +15,7 @@ import torch
 from strata.engine.scheduler import ScheduledSeq, SchedulerOutput
 from strata.engine.speculative import DraftView
 from strata.graph.decode_step import DecodeStep
+from strata.graph.lora import LoRABatch, lora_batch
 from strata.graph.models.llama import CausalLM
 from strata.kernels.attention import (
     AttentionBackend,
@@ -30,12 +31,13 @@ class ModelRunner:
     def __init__(
         self, model: CausalLM, kv_caches: list[torch.Tensor], block_size: int, device: str,
         attention_backend: AttentionBackend | str = "sdpa", *, forward: Callable | None = None,
-        decode_step: DecodeStep | None = None, swapper: KVSwapper | None = None,
+        decode_step: DecodeStep | None = None, swapper: KVSwapper | None = None, lora=None,
     ) -> None:
         """forward: the step's forward, the model itself or its FX-fused step (graph/fusion.py);
         decode_step: the platform's, tried first for all-decode steps (graph/decode_step.py: the
         fused CPU layer loop, torch.compile / CUDA graphs; None for a step it does not run);
-        swapper: copies swapped KV blocks (None without swap space)."""
+        swapper: copies swapped KV blocks (None without swap space); lora: the engine's LoRAManager
+        (engine/lora_manager.py), whose slots each step's adapters are put in."""
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -47,6 +49,8 @@ class ModelRunner:
         self.prompt_rows: list[tuple] = []
         self.prompt_logits: list[tuple] = []
         self._next = None  # (positions, metadata, order) of the last all-decode step
+        self.lora = lora
+        self.lora_batch: LoRABatch | None = None  # the step's rows by adapter slot (graph/lora.py)
 
     def weights_may_have_changed(self) -> None:
         """The caller held control (a request was added): the decode step re-checks its weight views."""
@@ -128,9 +132,26 @@ class ModelRunner:
         )
         pos_t = torch.cat(positions) if len(positions) > 1 else positions[0]
         self.prompt_rows = prompt_rows
+        if self.lora is not None:
+            self.lora_batch = self._lora_rows([*prefills, *decodes])
         # every row in order (an all-decode step): no gather, the hidden states are the rows
         every_row = len(logit_rows) == len(ids) and logit_rows == list(range(len(ids)))
         return self._tensor(ids), pos_t, meta, None if every_row else self._tensor(logit_rows), order
+
+    def _decode_step(self) -> DecodeStep | None:
+        """The platform's decode step, unless this step has adapters it does not apply."""
+        step = self.decode_step
+        return step if step is None or self.lora_batch is None or step.supports_lora else None
+
+    def _lora_rows(self, scheduled: list[ScheduledSeq]) -> LoRABatch | None:
+        """Each token row's adapter slot, in the step's row order (prefill chunks, then decodes)."""
+        ids = {s.seq.request.lora_id for s in scheduled} - {0}
+        if not ids:
+            return None
+        slot = self.lora.slots_for(ids, set())
+        rows = np.concatenate([np.full(s.num_tokens, slot.get(s.seq.request.lora_id, -1), np.int64)
+                               for s in scheduled])
+        return LoRABatch.of(rows)
 
     def _sampling_rows(self, order: list[tuple[ScheduledSeq, int]]):
         """Each sampling sequence with its logits row: a request forking this step (n > 1) has
@@ -172,8 +193,9 @@ class ModelRunner:
         if self._next is None:
             raise RuntimeError("execute_next: the last step was not an all-decode step")
         pos, meta, order = self._next
-        if self.decode_step is not None:
-            hidden = self.decode_step.next(token_ids)
+        if self._decode_step() is not None:
+            with lora_batch(self.lora_batch):
+                hidden = self.decode_step.next(token_ids)
             if hidden is not None:
                 return self._logits(hidden, None, order)
         bs, tables = self.block_size, meta.decode_block_tables
@@ -192,10 +214,11 @@ class ModelRunner:
     def _run(self, ids, pos, meta, rows, order):
         """Forward and logits of a prepared step."""
         hidden = None
-        if self.decode_step is not None and meta.num_prefill_tokens == 0:
-            hidden = self.decode_step(ids, pos, meta)  # None: not a step it captures
-        if hidden is None:
-            hidden = self.forward(ids, pos, meta, self.kv_caches)
+        with lora_batch(self.lora_batch):
+            if self._decode_step() is not None and meta.num_prefill_tokens == 0:
+                hidden = self.decode_step(ids, pos, meta)  # None: not a step it captures
+            if hidden is None:
+                hidden = self.forward(ids, pos, meta, self.kv_caches)
         self.prompt_logits = [(seq, start, self.model.compute_logits(hidden.index_select(0, self._tensor(r))).float())
                               for seq, start, r in self.prompt_rows]  # read by the engine (prompt_logprobs)
         if not order:

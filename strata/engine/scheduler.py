@@ -71,7 +71,7 @@ class Scheduler:
     def __init__(
         self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
         prefer_swap: Callable[[Sequence], bool] | None = None, lifecycle: SequenceLifecycle | None = None,
-        policy: StepPolicy | None = None, speculator=None,
+        policy: StepPolicy | None = None, speculator=None, lora=None,
     ) -> None:
         """prefer_swap(seq): the preemption policy when the block manager has a host pool
         (default: always swap when it has room). lifecycle: sequence creation and stop rules.
@@ -79,8 +79,10 @@ class Scheduler:
         the decode-first cap on a step's prefill tokens whenever a sequence is decoding (None: only
         the step budget), its lookahead the most decode steps a call runs (default: one step, no
         cap). speculator: engine/speculative.Speculator, drafts for decoding sequences (None: no
-        speculative decoding)."""
+        speculative decoding). lora: engine/lora_manager.LoRAManager: the running sequences hold
+        at most its max_loras adapters, and one runs once its adapter's weights are read."""
         self.speculator = speculator
+        self.lora = lora
         self.blocks = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -155,9 +157,13 @@ class Scheduler:
         if not out.preempted:
             self._prefetch(out)
         if not out.preempted and not self.swapped:
+            passed: list[Sequence] = []  # waiting on their adapter's slot or weights: others may pass
             while (self.waiting and budget > 0 and prefill_left > 0
                    and len(self.running) + len(self._prefetched) < self.max_num_seqs):
                 seq = self.waiting[0]
+                if not self._lora_fits(seq):
+                    passed.append(self.waiting.popleft())
+                    continue
                 match = self._match_prefix(seq)
                 start = seq.num_computed_tokens + (match.num_tokens if match else 0)
                 n = min(seq.num_tokens - start, budget)
@@ -174,6 +180,7 @@ class Scheduler:
                 self.running.append(seq)
                 out.scheduled.append(ScheduledSeq(seq, n))
                 budget -= n
+            self.waiting.extendleft(reversed(passed))
         if self.policy.lookahead > 1:
             out.num_steps = self._steps_ahead(out)
         now = time.time()
@@ -280,6 +287,15 @@ class Scheduler:
         self.blocks.allocate(seq, target)
         return True
 
+    def _lora_fits(self, seq: Sequence) -> bool:
+        """Whether `seq` may join the running ones: no adapter, or one they hold, or a free slot for
+        its adapter (max_loras) whose weights are read."""
+        lid = seq.request.lora_id
+        if not lid or self.lora is None:
+            return True
+        held = {s.request.lora_id for s in (*self.running, *self._prefetched) if s.request.lora_id}
+        return lid in held or (len(held) < self.lora.max_loras and self.lora.ready(lid))
+
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Swap the victim's KV to host memory when the policy prefers it and the pool has room;
         otherwise drop it, to be recomputed from prompt + output when it is readmitted."""
@@ -302,7 +318,7 @@ class Scheduler:
         starts now (asynchronously, in the runner); the sequences run from the next step."""
         while self.swapped and len(self.running) + len(self._prefetched) < self.max_num_seqs:
             seq = self.swapped[0]
-            if not self.blocks.can_allocate(seq, seq.num_computed_tokens + 1):  # + its next token
+            if not self.blocks.can_allocate(seq, seq.num_computed_tokens + 1) or not self._lora_fits(seq):
                 break
             self.swapped.popleft()
             out.swap_in += self.blocks.swap_in(seq)

@@ -18,6 +18,10 @@ from strata.kernels.attention import AttentionMetadata
 class DecodeStep:
     """Base: runs nothing. A platform's step overrides `__call__` and whichever of the others it offers."""
 
+    # whether the step applies the LoRA adapters of the active graph/lora.LoRABatch; a step that
+    # does not is skipped (the model's own forward runs) whenever a row of the step has an adapter
+    supports_lora = False
+
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
         """The final hidden states [rows, hidden] of an all-decode step, or None: not a step it runs."""
         return None

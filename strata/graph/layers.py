@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from strata.graph import lora
 from strata.kernels import ops
 from strata.kernels.linear import linear, swiglu
 
@@ -206,12 +207,13 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.act != "silu":
-            gate_up = self.gate_up_proj(x)
+            gate_up = lora.project(self.gate_up_proj, x)
             gate, up = gate_up[..., : self.intermediate], gate_up[..., self.intermediate :]
-            return self.down_proj(F.gelu(gate, approximate="tanh") * up)
-        fused = self.gate_up_proj.swiglu(x)  # Linear or a quantised stand-in (memory/quant.py)
+            return lora.project(self.down_proj, F.gelu(gate, approximate="tanh") * up)
+        # Linear or a quantised stand-in (memory/quant.py); with adapters on gate/up, unfused
+        fused = None if lora.active(self.gate_up_proj) else self.gate_up_proj.swiglu(x)
         if fused is not None:
-            return self.down_proj(fused)
-        gate_up = self.gate_up_proj(x)
+            return lora.project(self.down_proj, fused)
+        gate_up = lora.project(self.gate_up_proj, x)
         gate, up = gate_up[..., : self.intermediate], gate_up[..., self.intermediate :]
-        return self.down_proj(F.silu(gate) * up)
+        return lora.project(self.down_proj, F.silu(gate) * up)

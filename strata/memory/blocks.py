@@ -67,14 +67,16 @@ class HasKV(HasBlocks, Protocol):
     num_computed_tokens: int
 
 
-def extend_hashes(token_ids: list[int], hashes: list[int], num_blocks: int, block_size: int) -> list[int]:
-    """Extend `hashes` in place to the chain of the first `num_blocks` full blocks of `token_ids`.
+def extend_hashes(token_ids: list[int], hashes: list[int], num_blocks: int, block_size: int,
+                  salt=None) -> list[int]:
+    """Extend `hashes` in place to the chain of the first `num_blocks` full blocks of `token_ids`;
+    `salt` (a LoRA adapter's id: its KV differs) is the first block's parent.
 
     Tokens are only ever appended to a sequence, so a chain computed once stays valid.
     """
     while len(hashes) < num_blocks:
         i = len(hashes)
-        parent = hashes[-1] if hashes else None
+        parent = hashes[-1] if hashes else salt
         hashes.append(hash((parent, tuple(token_ids[i * block_size : (i + 1) * block_size]))))
     return hashes
 
@@ -300,9 +302,10 @@ class BlockManager:
         bs = self.block_size
         if not self._by_hash:
             return PrefixMatch([], 0, max_blocks)
-        hashes = extend_hashes(seq.token_ids, seq.block_hashes, max_blocks, bs)
+        salt = getattr(seq, "cache_salt", None)
+        hashes = extend_hashes(seq.token_ids, seq.block_hashes, max_blocks, bs, salt)
         blocks: list[int] = []
-        parent: tuple[int, int] | None = None
+        parent: tuple | None = salt  # a first block is confirmed under its sequence's salt
         for i in range(max_blocks):
             b = self._by_hash.get(hashes[i])
             if (
@@ -327,12 +330,13 @@ class BlockManager:
         end = min(end, len(table), len(seq.token_ids) // bs)
         if first >= end:
             return
-        hashes = extend_hashes(seq.token_ids, seq.block_hashes, end, bs)
+        salt = getattr(seq, "cache_salt", None)
+        hashes = extend_hashes(seq.token_ids, seq.block_hashes, end, bs, salt)
         for i in range(first, end):
             b = table[i]
             if self._hash[b] is not None:
                 continue  # shared from the cache (or already registered)
-            parent = None
+            parent = salt
             if i > 0:
                 p = table[i - 1]
                 if self._hash[p] is None:

@@ -30,3 +30,6 @@ class EngineStats:
     spec_emitted: int = 0
     prefill_cap: int = 0  # decode-first: prefill tokens a step may take while sequences decode (0: no cap)
     expert_tokens: dict = field(default_factory=dict)  # MoE: {"layer": [tokens each expert received]}
+    lora_running: tuple = ()  # LoRA adapters (names) of the running requests / the waiting ones
+    lora_waiting: tuple = ()
+    max_loras: int = 0  # adapters one batch may hold (0: LoRA off)

@@ -38,6 +38,7 @@ from strata.graph.layers import (
     apply_partial_rotary,
     apply_rotary,
 )
+from strata.graph.lora import project
 from strata.graph.moe import MoEBlock
 from strata.graph.trace_gate import TRACE_GATE
 from strata.kernels.attention import (
@@ -78,7 +79,7 @@ class Attention(nn.Module):
         return apply_rotary(x, rope) if self.rotary_dim is None else apply_partial_rotary(x, rope, self.rotary_dim)
 
     def forward(self, x, rope, meta: AttentionMetadata | None, kv_cache) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
+        qkv = project(self.qkv_proj, x)
         if self.qk_norm_whole:  # OLMoE: norm the q and k projections whole, then clamp q, k, v
             qkv = torch.cat((self.q_norm(qkv[..., : self.q_size]),
                              self.k_norm(qkv[..., self.q_size : self.q_size + self.kv_size]),
@@ -93,7 +94,7 @@ class Attention(nn.Module):
             else:
                 out = fused_decode_attention(qkv, rope, kv_cache, meta, self.heads, self.kv_heads, self.scale,
                                              self.window)
-            return self.o_proj(out)
+            return project(self.o_proj, out)
         lead = qkv.shape[:-1]
         if not per_head_norm and self.rotary_dim is None:
             # q and k are adjacent in the fused output: rotate both in one pass
@@ -115,7 +116,7 @@ class Attention(nn.Module):
                 out = attend_cached(q, k, v, kv_cache, meta, self.scale, self.window)
         else:
             out = self._causal(q, k, v)
-        return self.o_proj(out)
+        return project(self.o_proj, out)
 
     def _causal(self, q, k, v) -> torch.Tensor:
         """Plain causal attention over [B, L, heads, d] (no cache)."""
