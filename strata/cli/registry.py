@@ -56,6 +56,8 @@ COMMANDS: tuple[Command | Group, ...] = (
                 "strata.bench.train"),
         Command("structured", "per-token and per-schema cost of structured output (JSON schema); llguidance "
                 "vs xgrammar", "strata.bench.structured"),
+        Command("lora", "LoRA serving cost: throughput with 0/1/4/16 adapters and batch-1 decode overhead",
+                "strata.bench.lora"),
         Command("spec", "speculative decoding (prompt lookup): batch-1 decode speedup and acceptance, "
                 "repetitive vs random prompts", "strata.bench.spec"),
         Command("comm", "collectives between local ranks (SHM, gloo, NCCL): nccl-tests table + fitted "
