@@ -50,10 +50,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--rank", type=int, default=16, help="the adapters' rank")
     g.add_argument("--targets", choices=("all", "attention"), default="all", help="projections adapted")
     g.add_argument("--num-prompts", type=int, default=32, help="requests per throughput run")
-    g.add_argument("--input-len", type=int, default=64)
-    g.add_argument("--output-len", type=int, default=64)
+    g.add_argument("--input-len", type=int, default=64, help="prompt tokens per request")
+    g.add_argument("--output-len", type=int, default=64, help="output tokens per request (EOS ignored)")
     g.add_argument("--rounds", type=int, default=2, help="rounds, each running every case once")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0, help="seed for token ids and the adapters' weights")
 
 
 def write_adapters(engine, n: int, rank: int, targets: str, seed: int) -> list[LoRARequest]:

@@ -28,6 +28,7 @@ EPILOG = """examples:
   strata plan --train --model smol-135m --seq-len 1024 --micro-batch-size 8 --activation-checkpointing full
   strata plan --train --model demo --seq-len 128 --micro-batch-size 4 --measure   # predicted vs a real run
   strata plan --train --model ./Llama-3-8B --hardware H100x8 --distributed fsdp --precision bfloat16
+  strata plan --train --lora --model ./Llama-3-8B --quantization int4 --lora-rank 16 --hardware L4
 """
 
 
@@ -37,7 +38,10 @@ def cmd_train_plan(args: argparse.Namespace) -> int:
         precision=args.precision, activation_checkpointing=args.activation_checkpointing,
         ac_every=args.ac_every, world_size=args.world_size, distributed=args.distributed,
         device=args.device, hardware=args.hardware, ddp_bucket_mb=args.ddp_bucket_mb,
-        loss_chunk_tokens=args.loss_chunk_tokens, fused_loss=args.fused_loss,
+        loss_chunk_tokens=args.loss_chunk_tokens, fused_loss=args.fused_loss, lora=args.lora,
+        lora_rank=args.lora_rank, lora_target_modules=tuple(args.lora_target_modules),
+        lora_dropout=args.lora_dropout, quantization=args.quantization,
+        quantization_group_size=args.quantization_group_size,
     )
     plan = build_train_plan(req)
     if args.measure:
@@ -131,6 +135,13 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
                    help="as strata train: LM head + loss over this many tokens at a time (default 0 = off)")
     g.add_argument("--fused-loss", action=argparse.BooleanOptionalAction, default=d.fused_loss,
                    help="as strata train: LM head + loss fused by chunks (default on)")
+    g.add_argument("--lora", action="store_true",
+                   help="as strata train --lora: an adapter on the frozen base (with --quantization int8|int4: "
+                        "the base held quantized, QLoRA-style)")
+    g.add_argument("--lora-rank", type=int, default=d.lora_rank, help=f"LoRA rank (default {d.lora_rank})")
+    g.add_argument("--lora-target-modules", nargs="+", default=list(d.lora_target_modules), metavar="NAME",
+                   help="PEFT module names or all-linear (default: the seven projections)")
+    g.add_argument("--lora-dropout", type=float, default=d.lora_dropout, help="as strata train (default 0)")
     g.add_argument("--device", default=d.device, help="this machine's training device (default cpu)")
     g.add_argument("--measure", action="store_true",
                    help="also run strata train for 3 steps with these settings and compare its peak")

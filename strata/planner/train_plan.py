@@ -3,7 +3,8 @@ activation-checkpointing mode, against the device's memory; `--measure` runs `st
 steps with the same settings and compares its logged peak.
 
 The arithmetic is strata/train/memory_plan.py (predict_train_memory), which `strata train --check`
-uses too. On CPU the measured figure is the process's peak RSS, so the prediction includes the
+uses too. With --lora the base is frozen in its storage format (fp32, or --quantization int8 /
+int4) and only the adapter has gradients and optimizer states. On CPU the measured figure is the process's peak RSS, so the prediction includes the
 runtime baseline (a microscopic training step's RSS, measured in a subprocess) and glibc's heap
 retention; on CUDA it is the caching allocator's peak, which excludes the CUDA context.
 """
@@ -33,8 +34,8 @@ from strata.hardware.specs import lookup, parse_hardware
 from strata.model_config import ModelConfig
 from strata.planner.plan import resolve_model
 from strata.text_table import fmt_bytes, print_table
-from strata.train.config import ACTIVATION_CHECKPOINTING
-from strata.train.memory_plan import TrainMemory, predict_train_memory
+from strata.train.config import ACTIVATION_CHECKPOINTING, LORA_TARGETS
+from strata.train.memory_plan import LoRAPlan, TrainMemory, predict_train_memory
 from strata.train.precision import resolve_precision
 
 MEASURE_STEPS = 3
@@ -55,6 +56,24 @@ class TrainPlanRequest:
     ddp_bucket_mb: float = 25.0
     loss_chunk_tokens: int = 0
     fused_loss: bool = True
+    lora: bool = False
+    lora_rank: int = 16
+    lora_target_modules: tuple[str, ...] = LORA_TARGETS
+    lora_dropout: float = 0.0
+    quantization: str | None = None  # --lora: the frozen base's projections (int8, int4)
+    quantization_group_size: int = 64
+
+    def lora_plan(self) -> LoRAPlan | None:
+        if self.quantization is not None and not self.lora:
+            raise ConfigError(f"--train --quantization {self.quantization}: a quantized base trains only with "
+                              "--lora (the adapter on the frozen base); add --lora")
+        if not self.lora:
+            return None
+        if self.quantization not in (None, "int8", "int4"):
+            raise ConfigError(f"--train --lora --quantization {self.quantization}: a LoRA base is held in fp32, "
+                              "int8 or int4")
+        return LoRAPlan(self.lora_rank, tuple(self.lora_target_modules), self.lora_dropout, self.quantization,
+                        self.quantization_group_size)
 
 
 @dataclass
@@ -80,7 +99,8 @@ class TrainPlan:
 
     def to_json(self) -> dict:
         return {
-            "request": self.request.__dict__, "precision_reason": self.precision_reason,
+            "request": {**self.request.__dict__, "lora_target_modules": list(self.request.lora_target_modules)},
+            "precision_reason": self.precision_reason,
             "device": self.device_name, "device_memory_bytes": self.device_memory, "fits": self.fits,
             "memory": self.memory.to_json(),
             "by_mode": {m: {"activations": t.saved.activations, "peak_bytes": t.peak_bytes}
@@ -131,6 +151,7 @@ def build_train_plan(req: TrainPlanRequest, runtime_baseline_bytes: int | None =
     device_type, device_name, memory, count = _target(req)
     dtype, reason = _precision(req)
     world = req.world_size or count
+    lora = req.lora_plan()
 
     def predict(mode: str) -> TrainMemory:
         return predict_train_memory(
@@ -138,7 +159,7 @@ def build_train_plan(req: TrainPlanRequest, runtime_baseline_bytes: int | None =
             activation_checkpointing=mode, ac_every=req.ac_every, world_size=world,
             distributed=req.distributed, device_type=device_type, ddp_bucket_mb=req.ddp_bucket_mb,
             data_tokens=0, runtime_baseline_bytes=runtime_baseline_bytes, model_name=req.model,
-            loss_chunk_tokens=req.loss_chunk_tokens, fused_loss=req.fused_loss)
+            loss_chunk_tokens=req.loss_chunk_tokens, fused_loss=req.fused_loss, lora=lora)
 
     by_mode = {m: predict(m) for m in ACTIVATION_CHECKPOINTING}
     return TrainPlan(req, by_mode[req.activation_checkpointing], by_mode, reason, device_name, memory)
@@ -174,6 +195,11 @@ def train_command(req: TrainPlanRequest, tmp: Path, world: int, threads: int | N
            "--out-dir", str(tmp / "out"), "--device", req.device, "--distributed", req.distributed,
            "--ddp-bucket-mb", str(req.ddp_bucket_mb), "--loss-chunk-tokens", str(req.loss_chunk_tokens),
            "--fused-loss" if req.fused_loss else "--no-fused-loss"]
+    if req.lora:
+        cmd += ["--lora", "--lora-rank", str(req.lora_rank), "--lora-dropout", str(req.lora_dropout),
+                "--lora-target-modules", *req.lora_target_modules]
+        if req.quantization:
+            cmd += ["--quantization", req.quantization, "--quantization-group-size", str(req.quantization_group_size)]
     if world > 1:
         cmd += ["--nproc-per-node", str(world)]
     if threads:
@@ -224,7 +250,7 @@ def measure(plan: TrainPlan, threads: int | None = None) -> TrainPlan:
         ac_every=m.ac_every, world_size=m.world_size, distributed=m.distributed, device_type=m.device_type,
         ddp_bucket_mb=req.ddp_bucket_mb, data_tokens=data_tokens,
         runtime_baseline_bytes=m.components["runtime baseline"], model_name=req.model,
-        loss_chunk_tokens=req.loss_chunk_tokens, fused_loss=req.fused_loss)
+        loss_chunk_tokens=req.loss_chunk_tokens, fused_loss=req.fused_loss, lora=req.lora_plan())
     plan.measured_peak = peak
     return plan
 
@@ -241,6 +267,11 @@ def format_train_plan(plan: TrainPlan) -> str:
     print(f"strata plan --train: {req.model} ({m.params / 1e6:,.1f}M params) on {plan.device_name}, {dist}", file=out)
     print(f"  seq {req.seq_len} x micro-batch {req.micro_batch_size} = {tokens:,} tokens per rank per "
           f"micro-batch; {m.dtype}: {plan.precision_reason}; activation checkpointing {ac}", file=out)
+    if m.lora is not None:
+        base = m.lora["quantization"] or "fp32"
+        print(f"  LoRA rank {m.lora['rank']} on {' '.join(m.lora['target_modules'])}: "
+              f"{m.trainable_params / 1e6:,.3f}M trainable parameters; the base frozen in {base} (no gradients "
+              "or optimizer states)", file=out)
     print(file=out)
     rows = [[name, fmt_bytes(size), fmt_bytes(m.at_peak[name]) if m.at_peak.get(name) else "-"]
             for name, size in m.components.items() if size]

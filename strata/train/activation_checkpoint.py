@@ -9,9 +9,13 @@ its activations during backward, so gradients equal the unwrapped model's.
              output are recomputed; the MLP keeps its activations)
 
 The wrapper's state_dict hooks strip its prefix, so checkpoints and exports keep the model's names.
+The recomputation runs under the LoRA batch the forward ran under (graph/lora.py's ContextVar,
+which backward, run by autograd's engine and on CUDA in its own thread, would not see otherwise).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
@@ -19,9 +23,16 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     checkpoint_wrapper,
 )
 
+from strata.graph import lora
+
+
+def _same_adapters():
+    """(forward, recompute) contexts: the recomputation sees the forward's LoRA batch."""
+    return contextlib.nullcontext(), lora.lora_batch(lora.ACTIVE.get())
+
 
 def _wrap(module: nn.Module) -> nn.Module:
-    return checkpoint_wrapper(module, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+    return checkpoint_wrapper(module, checkpoint_impl=CheckpointImpl.NO_REENTRANT, context_fn=_same_adapters)
 
 
 def wrapped_layers(num_layers: int, mode: str, every: int) -> list[int]:

@@ -1,4 +1,7 @@
-"""`strata train`: flags for every TrainConfig field, `--config FILE.toml`, `--check`, `--export DIR`."""
+"""`strata train`: flags for every TrainConfig field, `--config FILE.toml`, `--check`, `--export DIR`.
+
+With --lora the run ends by writing the adapter as a PEFT directory: to --export DIR when given,
+else to OUT_DIR/adapter (a run that trains an adapter always leaves one)."""
 
 from __future__ import annotations
 
@@ -15,9 +18,13 @@ from strata.config import DTYPES
 from strata.hardware.processes import die_with_parent
 from strata.train.config import (
     ACTIVATION_CHECKPOINTING,
+    ALL_LINEAR,
+    BASE_QUANTIZATION,
     COMM_DTYPES,
     DISTRIBUTED,
+    LORA_TARGETS,
     PRECISIONS,
+    QUANT_GROUP_SIZES,
     TrainConfig,
     build_config,
     load_toml,
@@ -39,6 +46,10 @@ EPILOG = """examples:
   strata train --data corpus/ --nproc-per-node 2 --distributed fsdp  # ranks spawned locally
   strata train --data corpus/ --export out/model            # then: strata generate --model out/model
   strata train --data corpus/ --check                       # preflight checklist, trains nothing
+  strata train --lora --model demo --data data/shakespeare/train/sonnets.txt --lr 1e-3 --export out/sonnets
+  strata train --lora --model ./Llama-3.2-1B --quantization int4 --lora-rank 8 --lora-target-modules q_proj v_proj \
+      --data corpus/ --precision bfloat16     # QLoRA-style: a frozen int4 base; then
+  strata serve --model ./Llama-3.2-1B --enable-lora --lora-modules mine=runs/train/adapter
 """
 
 FLAG_HELP = {
@@ -67,9 +78,22 @@ FLAG_HELP = {
     "min_lr_ratio": "the cosine schedule ends at lr x this",
     "spike_factor": "report a loss above this x the running median",
     "max_skipped_steps": "stop after this many non-finite steps in a row",
+    "lora": "train a LoRA adapter on the frozen base (an HF checkpoint dir, or a named size as strata serve "
+            "serves it: demo = the demo checkpoint) and write it as a PEFT adapter directory (--export DIR, "
+            "else OUT_DIR/adapter)",
+    "lora_rank": "LoRA rank r",
+    "lora_alpha": "LoRA alpha (the update is scaled by alpha / r, or alpha / sqrt(r) with --use-rslora)",
+    "lora_dropout": "dropout on the LoRA branch's input (PEFT's lora_dropout)",
+    "lora_target_modules": f"PEFT module names to adapt ({' '.join(LORA_TARGETS)}; Phi-3: qkv_proj "
+                           f"gate_up_proj ...) or {ALL_LINEAR}",
+    "use_rslora": "rank-stabilised LoRA: scale by alpha / sqrt(r)",
+    "quantization": "--lora: hold the frozen base's projections in int8 / int4 (QLoRA-style; gradients "
+                    "flow through the dequantized weights)",
+    "quantization_group_size": "int4: input columns sharing one scale",
 }
 CHOICES = {"precision": PRECISIONS, "activation_checkpointing": ACTIVATION_CHECKPOINTING,
-           "distributed": DISTRIBUTED, "ddp_comm_dtype": COMM_DTYPES}
+           "distributed": DISTRIBUTED, "ddp_comm_dtype": COMM_DTYPES, "quantization": BASE_QUANTIZATION,
+           "quantization_group_size": QUANT_GROUP_SIZES}
 
 
 def _flag(name: str) -> str:
@@ -79,7 +103,8 @@ def _flag(name: str) -> str:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, help="TOML file of TrainConfig keys (flags override it)")
     p.add_argument("--check", action="store_true", help="run the preflight checklist and exit")
-    p.add_argument("--export", default=None, metavar="DIR", help="write the trained model as an HF directory")
+    p.add_argument("--export", default=None, metavar="DIR",
+                   help="write the trained model as an HF directory (--lora: the PEFT adapter directory)")
     p.add_argument("--export-dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                    help="dtype of the exported weights (training keeps fp32 masters)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -91,6 +116,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         hint = hints[f.name]
         if f.name in ("data", "eval_data"):
             p.add_argument(_flag(f.name), action="append", default=None, help=help_text)
+        elif f.name == "lora_target_modules":
+            p.add_argument(_flag(f.name), nargs="+", default=None, metavar="NAME",
+                           help=f"{help_text} (default: {' '.join(default)})")
         elif hint is bool:
             p.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction, default=None,
                            help=f"{help_text} (default: {default})")
@@ -125,6 +153,11 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(cfg: TrainConfig, args: argparse.Namespace) -> int:
     trainer = Trainer(cfg)
+    if trainer.rank == 0 and cfg.lora:
+        base = f"{cfg.quantization} " if cfg.quantization else ""
+        print(f"training a rank-{cfg.lora_rank} LoRA adapter ({trainer.trainable_params / 1e6:.3f}M parameters, "
+              f"{len(trainer.lora_sites)} modules) on the frozen {base}base {cfg.model} "
+              f"({trainer.model_config.num_params() / 1e6:.2f}M)", file=sys.stderr)
     if trainer.rank == 0:
         print(f"training {cfg.model} ({trainer.model_config.num_params() / 1e6:.2f}M parameters) on "
               f"{trainer.data.tokens:,} tokens x {trainer.world_size} rank(s); precision "
@@ -134,8 +167,9 @@ def _run(cfg: TrainConfig, args: argparse.Namespace) -> int:
     try:
         result = trainer.fit()
         export = None
-        if args.export and not result.stopped_by_signal:
-            export = trainer.export(Path(args.export), DTYPES[args.export_dtype])
+        dest = args.export or (str(trainer.out / "adapter") if cfg.lora else None)
+        if dest and not result.stopped_by_signal:
+            export = trainer.export(Path(dest), DTYPES[args.export_dtype])
         clean = True
     finally:
         trainer.close(clean)
@@ -143,6 +177,8 @@ def _run(cfg: TrainConfig, args: argparse.Namespace) -> int:
         summary = {"steps": result.steps, "final_loss": result.final_loss, "eval_loss": result.eval_loss,
                    "skipped_steps": result.skipped_steps, "checkpoint": str(result.checkpoint),
                    "export": str(export) if export else None, "stopped_by_signal": result.stopped_by_signal}
+        if cfg.lora:
+            summary["adapter"] = summary["export"]
         if result.expert_load is not None:
             first, last = result.expert_load
             summary["expert_load"] = {"first_step": first.sum(0).tolist(), "last_step": last.sum(0).tolist(),

@@ -24,6 +24,15 @@ PRECISIONS = ("auto", "float32", "bfloat16", "float16")
 ACTIVATION_CHECKPOINTING = ("none", "selective", "attention", "full")
 DISTRIBUTED = ("ddp", "fsdp")
 COMM_DTYPES = ("none", "bfloat16", "float16")
+# --lora: PEFT's module names (a Llama-shaped model's seven projections), or PEFT's "all-linear"
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ALL_LINEAR = "all-linear"
+BASE_QUANTIZATION = ("int8", "int4")  # --quantization: a frozen base held in the engine's formats
+QUANT_GROUP_SIZES = (32, 64, 128)
+
+
+FSDP_LORA = ("--lora with --distributed fsdp is not supported: the frozen base is not sharded and the "
+             "adapter is a few MB, which DDP replicates cheaply; use --distributed ddp")
 
 
 @dataclass
@@ -77,6 +86,16 @@ class TrainConfig:
     spike_factor: float = 3.0  # report a loss above this x the running median
     threads: int | None = None
     device: str = "cpu"
+    # LoRA (lora.py): train low-rank adapters on a frozen base, written as a PEFT adapter directory
+    lora: bool = False
+    lora_rank: int = 16
+    lora_alpha: float = 32.0
+    lora_dropout: float = 0.0
+    lora_target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    use_rslora: bool = False
+    # the frozen base's projections in int8 / int4 (QLoRA-style; --lora only), as the engine's --quantization
+    quantization: str | None = None
+    quantization_group_size: int = 64
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "micro_batch_size", "grad_accum", "max_steps", "keep_last", "nproc_per_node",
@@ -114,6 +133,36 @@ class TrainConfig:
                 raise ConfigError(f"train config: {name} = {value!r}; expected a number >= 0")
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"train config: threads = {self.threads}; expected >= 1")
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        if isinstance(self.lora_target_modules, str):  # TOML: "all-linear" or "q_proj,v_proj"
+            self.lora_target_modules = [self.lora_target_modules]
+        names = [n.strip() for item in self.lora_target_modules for n in str(item).split(",") if n.strip()]
+        if not names:
+            raise ConfigError("train config: lora_target_modules is empty; name PEFT modules (e.g. q_proj "
+                              f"v_proj) or {ALL_LINEAR}")
+        if ALL_LINEAR in names and len(names) > 1:
+            raise ConfigError(f"train config: lora_target_modules = {names}: {ALL_LINEAR} already means every "
+                              "projection; give it alone")
+        self.lora_target_modules = names
+        if not isinstance(self.lora_rank, int) or isinstance(self.lora_rank, bool) or self.lora_rank < 1:
+            raise ConfigError(f"train config: lora_rank = {self.lora_rank!r}; expected an integer >= 1")
+        if not (isinstance(self.lora_alpha, (int, float)) and 0 < self.lora_alpha < math.inf):
+            raise ConfigError(f"train config: lora_alpha = {self.lora_alpha!r}; expected a number > 0")
+        if not (isinstance(self.lora_dropout, (int, float)) and 0 <= self.lora_dropout < 1):
+            raise ConfigError(f"train config: lora_dropout = {self.lora_dropout!r}; expected 0 <= x < 1")
+        if self.quantization is not None and self.quantization not in BASE_QUANTIZATION:
+            raise ConfigError(f"train config: quantization = {self.quantization!r}; choose one of "
+                              f"{', '.join(BASE_QUANTIZATION)} (or leave it unset for an fp32 base)")
+        if self.quantization_group_size not in QUANT_GROUP_SIZES:
+            raise ConfigError(f"train config: quantization_group_size = {self.quantization_group_size!r}; "
+                              f"choose one of {', '.join(map(str, QUANT_GROUP_SIZES))}")
+        if self.quantization is not None and not self.lora:
+            raise ConfigError(f"--quantization {self.quantization}: a quantized base cannot be trained in full "
+                              "(its int weights have no gradient); add --lora to train adapters on it frozen")
+        if self.lora and self.distributed == "fsdp" and self.nproc_per_node > 1:
+            raise ConfigError(FSDP_LORA)
 
     @property
     def tokens_per_micro_batch(self) -> int:
@@ -141,7 +190,7 @@ def load_toml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(
             f"--config {path}: unknown key(s) {', '.join(unknown)}; the keys are TrainConfig's fields: "
             f"{', '.join(FIELD_NAMES)}")
-    for key in ("data", "eval_data"):
+    for key in ("data", "eval_data", "lora_target_modules"):
         if isinstance(table.get(key), str):
             table[key] = [table[key]]
     return table

@@ -18,7 +18,7 @@ from torch import nn
 from strata.comm.ddp_hooks import compression_hook
 from strata.comm.world import World, destroy_world, init_world
 from strata.errors import ConfigError
-from strata.train.config import TrainConfig
+from strata.train.config import FSDP_LORA, TrainConfig
 
 logger = logging.getLogger(__name__)
 
@@ -51,14 +51,20 @@ def wrap(module: nn.Module, layers: nn.ModuleList, cfg: TrainConfig, world: Worl
     """`module` (the training wrapper) made data parallel; unchanged for one process. `sparse`: a
     mixture of experts, where an expert no token of a rank picked has no gradient there, so the
     ranks must reduce the unused parameters too (DDP's find_unused_parameters, FSDP2's
-    reduce_scatter_unused_params) or the collectives would not match."""
+    reduce_scatter_unused_params) or the collectives would not match.
+
+    --lora: DDP reduces only the parameters that require grad (the adapter); the frozen base and
+    its buffers (a quantized base's int weights among them) are equal on every rank from the
+    start, so they are not re-broadcast every forward. FSDP is refused (config.FSDP_LORA)."""
     if world is None:
         return module
     cuda = cfg.device.startswith("cuda")
+    if cfg.lora and cfg.distributed == "fsdp":
+        raise ConfigError(FSDP_LORA)
     if cfg.distributed == "ddp":
         ddp = nn.parallel.DistributedDataParallel(
             module, device_ids=[world.local_rank] if cuda else None, bucket_cap_mb=cfg.ddp_bucket_mb,
-            gradient_as_bucket_view=True, find_unused_parameters=sparse)
+            gradient_as_bucket_view=True, find_unused_parameters=sparse, broadcast_buffers=not cfg.lora)
         hook = compression_hook(cfg.ddp_comm_dtype)
         if hook is not None:
             ddp.register_comm_hook(state=None, hook=hook)

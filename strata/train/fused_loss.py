@@ -51,7 +51,9 @@ class LinearCrossEntropy(torch.autograd.Function):
             b = None if bias is None else bias.to(torch.float32)
             n = hidden.shape[0]
             grad_h = torch.empty_like(hidden)
-            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+            # a frozen head (LoRA) needs no weight gradient: skip its matmul and [V, H] buffer
+            want_w = ctx.needs_input_grad[1]
+            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
             grad_b = None if bias is None else torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
             total = torch.zeros((), dtype=torch.float32, device=hidden.device)
             shape = (min(chunk, n), weight.shape[0])  # one chunk's logits, reused by every chunk
@@ -78,7 +80,9 @@ class LinearCrossEntropy(torch.autograd.Function):
                     grad_b += d.sum(0)
                 dc = d if compute_dtype == torch.float32 else d.to(compute_dtype)
                 grad_h[start:start + rows] = torch.mm(dc, w)
-                if compute_dtype == torch.float32:
+                if grad_w is None:
+                    pass
+                elif compute_dtype == torch.float32:
                     grad_w.addmm_(dc.t(), h)
                 else:
                     grad_w += torch.mm(dc.t(), h)
@@ -91,16 +95,19 @@ class LinearCrossEntropy(torch.autograd.Function):
         grad_h, grad_w, grad_b = ctx.saved_tensors
         g = grad_out.to(torch.float32)
         gh = grad_h * g.to(grad_h.dtype)
-        return gh, grad_w * g, (grad_b * g if ctx.has_bias else None), None, None, None
+        gw = None if grad_w is None else grad_w * g
+        return gh, gw, (grad_b * g if ctx.has_bias else None), None, None, None
 
 
 def fused_cross_entropy(hidden: torch.Tensor, head: torch.nn.Linear, labels: torch.Tensor,
-                        chunk: int | None = None) -> torch.Tensor:
+                        chunk: int | None = None, weight: torch.Tensor | None = None) -> torch.Tensor:
     """Mean cross-entropy of head(hidden) against labels over the tokens not IGNORE_INDEX,
-    as F.cross_entropy(head(hidden).float(), labels) computes it, fused (module docstring)."""
+    as F.cross_entropy(head(hidden).float(), labels) computes it, fused (module docstring).
+    `weight`: the head's weight in place of head.weight (a quantized head, dequantized)."""
     flat, y = hidden.flatten(0, -2), labels.flatten()
+    weight = head.weight if weight is None else weight
     dev = flat.device.type
-    dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else head.weight.dtype
-    chunk = chunk or chunk_tokens_for(head.weight.shape[0], y.numel())
-    total = LinearCrossEntropy.apply(flat, head.weight, head.bias, y, dtype, chunk)
+    dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else weight.dtype
+    chunk = chunk or chunk_tokens_for(weight.shape[0], y.numel())
+    total = LinearCrossEntropy.apply(flat, weight, head.bias, y, dtype, chunk)
     return total / (y != IGNORE_INDEX).sum()

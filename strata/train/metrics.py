@@ -18,9 +18,24 @@ logger = logging.getLogger(__name__)
 
 
 def peak_memory_bytes(device: str) -> int:
-    """Peak memory of this process so far: CUDA's allocator peak, else the peak resident set."""
+    """Peak memory of this process so far: CUDA's allocator peak, else the peak resident set.
+
+    Linux's VmHWM (this address space's high-water mark) where there is one: ru_maxrss survives
+    exec, so a process forked from a bigger one (a test run, `strata plan --measure`'s caller)
+    would report its parent's size."""
     if device.startswith("cuda"):
         return int(torch.cuda.max_memory_allocated())
+    return vm_hwm_bytes()
+
+
+def vm_hwm_bytes() -> int:
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 

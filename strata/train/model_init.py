@@ -1,5 +1,10 @@
 """The model to train: the engine's own CausalLM (graph/models), from a named size, a config.json
-or an HF checkpoint directory, in fp32 (master weights; autocast narrows the compute)."""
+or an HF checkpoint directory, in fp32 (master weights; autocast narrows the compute).
+
+With --lora the model is a frozen base and must have trained weights: an HF checkpoint directory,
+or a named size taken as the checkpoint `strata serve` serves for it (demo: the shipped demo
+checkpoint; a random shape: its random-weight checkpoint, as --random-model), optionally held in
+int8 / int4 (--quantization, the engine's formats)."""
 
 from __future__ import annotations
 
@@ -14,8 +19,8 @@ import tokenizers
 import torch
 from torch import nn
 
-from strata.demo.model import demo_config
-from strata.demo.random_models import SHAPES
+from strata.demo.model import demo_config, demo_model_path
+from strata.demo.random_models import SHAPES, random_model_path
 from strata.demo.train_tokenizer import DEMO_DIR
 from strata.errors import ConfigError
 from strata.graph.loader import load_model
@@ -33,16 +38,20 @@ class ModelSource:
     config: dict[str, Any]  # the config.json the export writes
     weights_dir: Path | None  # an HF checkpoint to start from, else a fresh initialisation
     tokenizer_dir: Path
+    base_name: str | None = None  # --lora: the base as the adapter records it (lora.base_name)
 
     @property
     def model_config(self) -> ModelConfig:
         return ModelConfig.from_dict(self.config, "model config")
 
 
-def resolve(model: str, tokenizer: str | None) -> ModelSource:
-    """A named size, a config.json file, or a directory with config.json (+ safetensors to start from)."""
+def resolve(model: str, tokenizer: str | None, lora: bool = False) -> ModelSource:
+    """A named size, a config.json file, or a directory with config.json (+ safetensors to start from).
+    `lora`: a frozen base, so trained weights (module docstring)."""
     path = Path(model)
     weights_dir = None
+    if lora:
+        return _resolve_base(model, tokenizer)
     if model in NAMED_SIZES:
         config = demo_config() if model == "demo" else dict(SHAPES[model])
         default_tok = DEMO_DIR  # the demo tokenizer ships in the package
@@ -71,6 +80,18 @@ def resolve(model: str, tokenizer: str | None) -> ModelSource:
         raise ConfigError(
             f"the tokenizer in {tok_dir} has {vocab} tokens but the model's vocab_size is "
             f"{src.model_config.vocab_size}; give a model whose vocab_size covers it, or another --tokenizer")
+    return src
+
+
+def _resolve_base(model: str, tokenizer: str | None) -> ModelSource:
+    named = model in NAMED_SIZES
+    path = (demo_model_path() if model == "demo" else random_model_path(model)) if named else Path(model)
+    if not (path.is_dir() and (path / "config.json").is_file() and any(path.glob("*.safetensors"))):
+        raise ConfigError(
+            f"--lora --model {model}: a LoRA base needs trained weights; give an HF checkpoint directory "
+            f"(config.json + *.safetensors) or a named size ({', '.join(NAMED_SIZES)})")
+    src = resolve(str(path), tokenizer)
+    src.base_name = path.name if named else model
     return src
 
 
@@ -107,8 +128,19 @@ def init_weights(model: CausalLM, std: float, seed: int) -> None:
                 module.weight.fill_(1.0)
 
 
-def build_model(src: ModelSource, seed: int, max_positions: int) -> CausalLM:
-    """fp32 CausalLM in train mode with every parameter requiring grad."""
+def build_model(src: ModelSource, seed: int, max_positions: int, frozen: bool = False,
+                quantization: str | None = None, group_size: int = 64) -> CausalLM:
+    """fp32 CausalLM in train mode with every parameter requiring grad; `frozen` (a LoRA base):
+    the checkpoint as loaded (projections in `quantization`, if given), no parameter requiring grad."""
+    if frozen:
+        if src.weights_dir is None:  # resolve(lora=True) never gives one
+            raise ConfigError("a frozen base needs a checkpoint directory")
+        torch.manual_seed(seed)  # the run's draws (LoRA dropout) repeat, as a fresh model's init does
+        model = load_model(src.weights_dir, torch.float32, max_positions=max_positions, storage=quantization,
+                           group_size=group_size)
+        for p in model.parameters():
+            p.requires_grad_(False)
+        return model.train()
     if src.weights_dir is not None:
         model = load_model(src.weights_dir, torch.float32, max_positions=max_positions)
         model = _plain_storage(model)

@@ -33,6 +33,7 @@ import torch
 
 from strata.comm.world import World
 from strata.errors import ConfigError
+from strata.graph.lora import LoRABatch, lora_batch
 from strata.hardware.probe import probe
 from strata.kernels.dispatch import reference_kernels
 from strata.model_config import ModelConfig
@@ -41,7 +42,8 @@ from strata.train.activation_checkpoint import apply_activation_checkpointing
 from strata.train.config import TrainConfig
 from strata.train.data import PackedWindows, batch_for, data_files, tokenize
 from strata.train.flops import train_flops_per_token
-from strata.train.memory_plan import TrainMemory, predict_train_memory
+from strata.train.lora import LoRASpec, attach_trainable, make_quantized_trainable
+from strata.train.memory_plan import LoRAPlan, TrainMemory, predict_train_memory
 from strata.train.model_init import ModelSource, build_model, load_tokenizer, resolve
 from strata.train.optim import lr_at
 from strata.train.precision import Precision, resolve_precision
@@ -190,7 +192,7 @@ def _predict(cfg: TrainConfig, model: ModelConfig, dtype: torch.dtype, data_toke
         activation_checkpointing=mode or cfg.activation_checkpointing, ac_every=cfg.ac_every,
         world_size=world_size(cfg), distributed=cfg.distributed, device_type=torch.device(cfg.device).type,
         ddp_bucket_mb=cfg.ddp_bucket_mb, data_tokens=data_tokens, runtime_baseline_bytes=baseline,
-        loss_chunk_tokens=cfg.loss_chunk_tokens, fused_loss=cfg.fused_loss)
+        loss_chunk_tokens=cfg.loss_chunk_tokens, fused_loss=cfg.fused_loss, lora=LoRAPlan.of(cfg))
 
 
 def _memory_fix(cfg: TrainConfig, model: ModelConfig, dtype: torch.dtype, data_tokens: int, baseline: int | None,
@@ -281,15 +283,21 @@ def time_step(cfg: TrainConfig, src: ModelSource, dtype: torch.dtype) -> tuple[f
     trainer runs it (autocast, activation checkpointing, the torch reference kernels)."""
     model_cfg = src.model_config
     batch, length = step_timing_shape(cfg, model_cfg)
-    lm = build_model(src, cfg.seed, None).to(cfg.device)
+    lm = build_model(src, cfg.seed, None, frozen=cfg.lora, quantization=cfg.quantization,
+                     group_size=cfg.quantization_group_size).to(cfg.device)
+    adapters = None
+    if cfg.lora:  # as the trainer: the frozen base, one trainable slot, every forward through it
+        make_quantized_trainable(lm)
+        attach_trainable(lm, LoRASpec.of(cfg), cfg.seed, cfg.model)
+        adapters = LoRABatch.every_row(0)
     apply_activation_checkpointing(lm, cfg.activation_checkpointing, cfg.ac_every)
     module, precision = LanguageModelLoss(lm), Precision(dtype, cfg.device)
     ids = torch.randint(0, model_cfg.vocab_size, (batch, length + 1), device=cfg.device)
 
     def step() -> None:
-        with precision.autocast():
+        with lora_batch(adapters), precision.autocast():
             loss = module(ids[:, :-1], ids[:, 1:])
-        loss.backward()
+            loss.backward()
         if cfg.device.startswith("cuda"):
             torch.cuda.synchronize()
 
@@ -353,7 +361,7 @@ def preflight(cfg: TrainConfig, *, capacity: int | None = None,
     `runtime_baseline_bytes`: the memory plan's baseline (default: measured once)."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    src = resolve(cfg.model, cfg.tokenizer)  # ConfigError names a bad --model / --tokenizer
+    src = resolve(cfg.model, cfg.tokenizer, lora=cfg.lora)  # ConfigError names a bad --model / --tokenizer
     files = data_files(cfg.data)  # ... and a bad --data path
     model = src.model_config
     capacity = capacity if capacity is not None else device_memory(cfg.device)

@@ -2,7 +2,9 @@
 guard -> step -> log -> checkpoint. Every rank runs this same loop; rank 0 writes.
 
 The model is the engine's CausalLM running its plain causal forward under autograd (no paged-KV
-metadata); activation checkpointing and data parallelism are applied from outside it.
+metadata); activation checkpointing and data parallelism are applied from outside it. With --lora
+(lora.py) the model is a frozen base carrying one trainable adapter slot, every forward and
+backward runs inside its LoRA batch, and checkpoints and the export hold the adapter alone.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from strata.errors import StrataError
+from strata.graph.lora import LoRABatch, lora_batch
 from strata.graph.models.llama import CausalLM
 from strata.hardware.probe import probe
 from strata.kernels.dispatch import reference_kernels
@@ -34,6 +37,17 @@ from strata.train.data import PackedWindows, batch_for, data_files, tokenize
 from strata.train.export import export_hf
 from strata.train.flops import train_flops_per_token
 from strata.train.fused_loss import fused_cross_entropy, fused_loss_applies
+from strata.train.lora import (
+    ADAPTER_FILE,
+    LoRASpec,
+    adapter_state,
+    attach_trainable,
+    base_record,
+    head_weight,
+    load_adapter_state,
+    make_quantized_trainable,
+    write_peft_adapter,
+)
 from strata.train.metrics import MetricsSink, SpikeDetector, peak_memory_bytes
 from strata.train.model_init import build_model, load_tokenizer, resolve
 from strata.train.moe_loss import (
@@ -89,7 +103,9 @@ class LanguageModelLoss(nn.Module):
         positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         hidden = self.lm(input_ids, positions)
         if self.fused and torch.is_grad_enabled():
-            return fused_cross_entropy(hidden, self.lm.lm_head, targets)
+            head = self.lm.lm_head
+            weight = None if isinstance(getattr(head, "weight", None), torch.Tensor) else head_weight(head)
+            return fused_cross_entropy(hidden, head, targets, weight=weight)
         if not self.chunk_tokens:
             logits = self.lm.compute_logits(hidden)
             return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
@@ -152,7 +168,7 @@ class Trainer:
         self.rank = self.world.rank if self.world else 0
         self.world_size = self.world.world_size if self.world else 1
         self.out = Path(cfg.out_dir)
-        self.src = resolve(cfg.model, cfg.tokenizer)
+        self.src = resolve(cfg.model, cfg.tokenizer, lora=cfg.lora)
         self.model_config = self.src.model_config
         tok = load_tokenizer(self.src.tokenizer_dir)
         self.tokenizer_sha = hashlib.sha256(tok.to_str().encode()).hexdigest()[:16]
@@ -172,17 +188,28 @@ class Trainer:
             self.eval_data = PackedWindows(stream, cfg.seq_len, cfg.seed, "--eval-data")
         dtype, self.precision_reason = resolve_precision(cfg.precision, cfg.device)
         self.precision = Precision(dtype, cfg.device)
-        self.lm = build_model(self.src, cfg.seed, None).to(cfg.device)
+        self.lm = build_model(self.src, cfg.seed, None, frozen=cfg.lora, quantization=cfg.quantization,
+                              group_size=cfg.quantization_group_size).to(cfg.device)
+        self.lora_spec = LoRASpec.of(cfg) if cfg.lora else None
+        self.lora_sites = None  # --lora: {HF module name: Site} of the targeted projections
+        if self.lora_spec is not None:
+            make_quantized_trainable(self.lm)
+            self.lora_sites = attach_trainable(self.lm, self.lora_spec, cfg.seed, cfg.model)
         self.num_checkpointed = apply_activation_checkpointing(self.lm, cfg.activation_checkpointing, cfg.ac_every)
-        self.router = router_losses(self.lm, self.model_config.moe, cfg.router_aux_loss_coef, cfg.router_z_loss_coef)
+        # a frozen router learns nothing from the MoE terms: a LoRA run trains on the LM loss alone
+        self.router = None if cfg.lora else router_losses(self.lm, self.model_config.moe, cfg.router_aux_loss_coef,
+                                                          cfg.router_z_loss_coef)
         if self.router is None and (cfg.router_aux_loss_coef or cfg.router_z_loss_coef):
-            logger.warning("--router-aux-loss-coef / --router-z-loss-coef ignored: %s is not an MoE model", cfg.model)
+            logger.warning("--router-aux-loss-coef / --router-z-loss-coef ignored: %s", "the router is frozen "
+                           "(--lora)" if cfg.lora else f"{cfg.model} is not an MoE model")
         self.loss_fn = LanguageModelLoss(self.lm, cfg.loss_chunk_tokens, cfg.fused_loss, self.router)
         self.module = distributed.wrap(self.loss_fn, self.lm.layers, cfg, self.world, dtype,
                                        sparse=self.router is not None)
         self.optimizer = make_optimizer(self.module, cfg)
         self.params = [p for p in self.module.parameters() if p.requires_grad]
-        self.flops_per_token = train_flops_per_token(self.model_config, cfg.seq_len)
+        self.trainable_params = sum(p.numel() for p in self.params)
+        self.flops_per_token = train_flops_per_token(self.model_config, cfg.seq_len,
+                                                     self.trainable_params if cfg.lora else None)
         self.peak_flops = self._peak_flops() if self.rank == 0 else 0.0  # only rank 0 reports
         self.metrics = MetricsSink(self.out, self.rank == 0, cfg.tensorboard)
         self.spikes = SpikeDetector(cfg.spike_factor)
@@ -190,6 +217,7 @@ class Trainer:
         self.skipped_total = 0
         self.skipped_in_row = 0
         self._stop_signal: int | None = None
+        self._base_record: dict | None = None
 
     def close(self, clean: bool = True) -> None:
         """Leave the distributed world (the model and optimizer, which hold its groups, go
@@ -221,6 +249,19 @@ class Trainer:
     def _on_signal(self, signum, _frame) -> None:
         self._stop_signal = signum
 
+    def _adapters(self):
+        """--lora: every forward (and the backward's recomputations) through the adapter slot."""
+        return lora_batch(LoRABatch.every_row(0)) if self.lora_spec is not None else contextlib.nullcontext()
+
+    @property
+    def base_record(self) -> dict | None:
+        """--lora: the frozen base's identity (lora.base_record), hashed once."""
+        if self.lora_spec is None:
+            return None
+        if self._base_record is None:
+            self._base_record = base_record(self.src.base_name, self.src.weights_dir, self.cfg)
+        return self._base_record
+
     @property
     def checkpoint_root(self) -> Path:
         return self.out / "checkpoints"
@@ -234,17 +275,18 @@ class Trainer:
         set_lr(self.optimizer, lr)
         total = 0.0
         moe = _MoESums()
-        for micro in range(cfg.grad_accum):
-            first = batch_for(step, micro, self.rank, micro_batch=cfg.micro_batch_size,
-                              grad_accum=cfg.grad_accum, world_size=self.world_size)
-            inputs, targets = self.data.samples(first, cfg.micro_batch_size)
-            inputs, targets = inputs.to(cfg.device), targets.to(cfg.device)
-            with self._no_sync(micro == cfg.grad_accum - 1), self.precision.autocast():
-                loss = self.module(inputs, targets) / cfg.grad_accum
-            self.precision.scale(loss).backward()
-            total += float(loss.detach())
-            if self.router is not None:
-                moe.add(self.loss_fn.router_stats, cfg.grad_accum)
+        with self._adapters():
+            for micro in range(cfg.grad_accum):
+                first = batch_for(step, micro, self.rank, micro_batch=cfg.micro_batch_size,
+                                  grad_accum=cfg.grad_accum, world_size=self.world_size)
+                inputs, targets = self.data.samples(first, cfg.micro_batch_size)
+                inputs, targets = inputs.to(cfg.device), targets.to(cfg.device)
+                with self._no_sync(micro == cfg.grad_accum - 1), self.precision.autocast():
+                    loss = self.module(inputs, targets) / cfg.grad_accum
+                self.precision.scale(loss).backward()
+                total += float(loss.detach())
+                if self.router is not None:
+                    moe.add(self.loss_fn.router_stats, cfg.grad_accum)
         self.precision.unscale(self.optimizer)
         norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
         if hasattr(norm, "full_tensor"):  # FSDP: a DTensor
@@ -293,7 +335,7 @@ class Trainer:
         losses = []
         limit = self.cfg.eval_batches * self.cfg.micro_batch_size
         for inputs, targets in self.eval_data.in_order(limit, self.cfg.micro_batch_size):
-            with self.precision.autocast():
+            with self._adapters(), self.precision.autocast():
                 losses.append(float(self.module(inputs.to(self.cfg.device), targets.to(self.cfg.device))))
         self.module.train()
         return sum(losses) / len(losses)
@@ -301,6 +343,8 @@ class Trainer:
     # ------------------------------------------------------------ checkpoints
 
     def _model_state(self) -> dict[str, torch.Tensor]:
+        if self.lora_spec is not None:  # the adapter alone: the base is frozen (and recorded)
+            return adapter_state(self.lm)
         if self.cfg.distributed == "fsdp" and self.world is not None:
             from torch.distributed.checkpoint.state_dict import (
                 StateDictOptions,
@@ -338,16 +382,20 @@ class Trainer:
         writer.write_tensors(tmp, f"rng-rank{self.rank}.safetensors", rng_tensors)
         writer.write_json(tmp, f"rng-rank{self.rank}.json", rng_json)
         if self.rank == 0:
-            writer.write_tensors(tmp, "model.safetensors", ckpt.unique_tensors(model_state))
+            weights = ADAPTER_FILE if self.lora_spec is not None else "model.safetensors"
+            writer.write_tensors(tmp, weights, ckpt.unique_tensors(model_state))
             tensors: dict[str, torch.Tensor] = {}
             skeleton = ckpt.flatten(optim_state, tensors)
             writer.write_tensors(tmp, "optimizer.safetensors", tensors)
-            writer.write_json(tmp, "state.json", {
+            state = {
                 "step": self.step, "world_size": self.world_size, "optimizer": skeleton,
                 "scaler": self.precision.state_dict(), "skipped_total": self.skipped_total,
                 "skipped_in_row": self.skipped_in_row, "data": self._data_identity(),
                 "config": self.cfg.to_json(),
-            })
+            }
+            if self.lora_spec is not None:
+                state["lora"] = self._lora_identity()
+            writer.write_json(tmp, "state.json", state)
         distributed.barrier(self.world)
         path = writer.final
         if self.rank == 0:
@@ -361,8 +409,30 @@ class Trainer:
         return {"windows": self.data.num_windows, "seq_len": self.cfg.seq_len, "seed": self.cfg.seed,
                 "tokenizer_sha256": self.tokenizer_sha}
 
+    def _lora_identity(self) -> dict:
+        """What a resumed LoRA run must share with the one that wrote the checkpoint."""
+        return {"adapter": self.lora_spec.to_json(), "base": self.base_record}
+
+    def _check_lora_checkpoint(self, path: Path, state: dict) -> None:
+        saved = state.get("lora")
+        if (saved is None) != (self.lora_spec is None):
+            kind = "a full fine-tune" if saved is None else "a LoRA run (--lora)"
+            raise StrataError(f"{path} was written by {kind}; resume it the same way, or use a fresh --out-dir")
+        if saved is None:
+            return
+        want = self._lora_identity()
+        if saved["base"] != want["base"]:
+            raise StrataError(f"{path}: the adapter was trained on another base ({saved['base']} vs this run's "
+                              f"{want['base']}); resume with the same --model and --quantization, or use a fresh "
+                              "--out-dir")
+        if saved["adapter"] != want["adapter"]:
+            raise StrataError(f"{path}: the adapter's settings differ ({saved['adapter']} vs {want['adapter']}); "
+                              "resume with the same --lora-rank, --lora-alpha, --lora-dropout, "
+                              "--lora-target-modules and --use-rslora, or use a fresh --out-dir")
+
     def load_checkpoint(self, path: Path) -> None:
         state = ckpt.read_json(path, "state.json")
+        self._check_lora_checkpoint(path, state)
         if state["world_size"] != self.world_size:
             raise StrataError(f"{path} was written by {state['world_size']} rank(s), this run has "
                               f"{self.world_size}; resume with the same world size (or a fresh --out-dir)")
@@ -371,9 +441,12 @@ class Trainer:
             raise StrataError(f"{path}: the data differ from the run that wrote it ({state['data']} vs {want}); "
                               "resume with the same --data, --tokenizer, --seq-len and --seed, or use a fresh "
                               "--out-dir")
-        model_state = ckpt.read_tensors(path, "model.safetensors")
+        model_state = ckpt.read_tensors(path, ADAPTER_FILE if self.lora_spec is not None else "model.safetensors")
         optim_state = ckpt.unflatten(state["optimizer"], ckpt.read_tensors(path, "optimizer.safetensors"))
-        if self.cfg.distributed == "fsdp" and self.world is not None:
+        if self.lora_spec is not None:
+            load_adapter_state(self.lm, model_state, str(path))
+            self.optimizer.load_state_dict(optim_state)
+        elif self.cfg.distributed == "fsdp" and self.world is not None:
             from torch.distributed.checkpoint.state_dict import (
                 StateDictOptions,
                 set_model_state_dict,
@@ -422,6 +495,8 @@ class Trainer:
         window_tokens, window_s = 0, 0.0
         try:
             with reference_kernels():  # the CPU fast paths are inference-only (no backward)
+                if self.lora_spec is not None and self.step == 0 and cfg.eval_every:
+                    self._log_eval()  # the base's held-out loss (B = 0: the adapter adds nothing yet)
                 while self.step < cfg.max_steps:
                     r = self.train_step()
                     losses.append(r.loss)
@@ -493,7 +568,10 @@ class Trainer:
         return loss
 
     def export(self, dest: Path, dtype: torch.dtype = torch.float32) -> Path:
-        """The trained model as an HF directory (rank 0 writes; FSDP gathers the full weights first)."""
+        """The trained model as an HF directory (rank 0 writes; FSDP gathers the full weights first);
+        --lora: the adapter as a PEFT adapter directory."""
+        if self.lora_spec is not None:
+            return self.export_adapter(dest, dtype)
         state = self._model_state()
         if self.rank != 0:
             return Path(dest)
@@ -503,6 +581,15 @@ class Trainer:
             raise RuntimeError(f"export: state dict mismatch (missing {missing}, unexpected {unexpected})")
         plain.tie_weights()
         return export_hf(plain, self.src.config, self.src.tokenizer_dir, Path(dest), self.bos, self.eos_ids, dtype)
+
+
+    def export_adapter(self, dest: Path, dtype: torch.dtype = torch.float32) -> Path:
+        """--lora: the PEFT adapter directory (lora.write_peft_adapter); rank 0 writes."""
+        if self.rank != 0:
+            return Path(dest)
+        record = {"base": self.base_record, "steps": self.step, "data": self._data_identity(),
+                  "command": "strata train", "config": self.cfg.to_json()}
+        return write_peft_adapter(Path(dest), self.lora_spec, self.lora_sites, self.src.base_name, dtype, record)
 
 
 class _MoESums:
