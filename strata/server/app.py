@@ -1,7 +1,7 @@
 """The HTTP face: the FastAPI app factory and the Guard middleware in front of every route.
 
-The routes live in routes_ops (health, readiness, metrics), routes_openai (the OpenAI API) and
-routes_tokenize (/tokenize, /detokenize, /version).
+The routes live in routes_ops (health, readiness, metrics), routes_openai (the OpenAI API),
+routes_tokenize (/tokenize, /detokenize, /version) and routes_lora (loading LoRA adapters).
 The event loop only parses, validates, routes and formats: tokenisation goes to the worker pool,
 the model runs in the engine process. Every failure is an OpenAI-style error body for that
 request alone.
@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from strata.errors import RequestError
-from strata.server import routes_openai, routes_ops, routes_tokenize
+from strata.server import routes_lora, routes_openai, routes_ops, routes_tokenize
 from strata.server.openai_api import error_response, validation_message
 from strata.server.routes_openai import BodyTooLarge
 from strata.server.state import ServerOptions, ServerState
@@ -33,7 +33,8 @@ logger = logging.getLogger("strata.server")
 access_log = logging.getLogger("strata.access")  # one line per request; --disable-log-requests turns it off
 
 OPEN_PATHS = ("/health", "/ready")  # answered without an API key
-ROUTES = "/v1/models, /v1/completions, /v1/chat/completions, /health, /ready, /metrics"
+ROUTES = ("/v1/models, /v1/completions, /v1/chat/completions, /health, /ready, /metrics (and, with "
+          "--enable-lora-updates, /v1/load_lora_adapter, /v1/unload_lora_adapter)")
 CLIENT_CLOSED = 499  # nginx's status for a request whose client went away (counted in /metrics)
 
 
@@ -45,7 +46,8 @@ def request_id(scope) -> str:
     return scope.setdefault("state", {}).setdefault("request_id", uuid.uuid4().hex)
 
 
-KNOWN_PATHS = frozenset(("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/ready", "/metrics"))
+KNOWN_PATHS = frozenset(("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/ready", "/metrics",
+                         "/v1/load_lora_adapter", "/v1/unload_lora_adapter"))
 
 
 def metric_endpoint(path: str) -> str:
@@ -202,4 +204,5 @@ def build_app(state: ServerState) -> FastAPI:
     app.include_router(routes_ops.router)
     app.include_router(routes_openai.router)
     app.include_router(routes_tokenize.router)
+    app.include_router(routes_lora.router)
     return app

@@ -16,11 +16,19 @@ When the engine process dies (SIGKILL, OOM, a crash), the policy is:
   5. When the budget is spent, `supervise` returns why; the server logs one line, answers /health
      with 503 (for ~1 s) and exits 1, so that a supervisor (systemd, Kubernetes) restarts it.
 The first start is not retried: a model that cannot load fails `strata serve` at once (exit 1).
+
+LoRA adapters: the front end's registry (server/lora.py) is replayed into every engine process
+before it takes requests: at the first start an adapter that fails fails `strata serve` (naming
+it); after a restart it is dropped from the registry with an error in the log (the rest serve).
+Loading and unloading are calls with a reply (`call`): the engine reads the adapter on a worker
+thread and keeps stepping meanwhile.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import itertools
 import json
 import logging
 import time
@@ -28,10 +36,12 @@ import time
 import zmq
 import zmq.asyncio
 
-from strata.errors import StrataError
+from strata.errors import RequestError, StrataError
+from strata.protocol.lora import LoRAError, LoRARequest
 from strata.protocol.stats import EngineStats
 from strata.protocol.wire import decode, encode
 from strata.server import procs
+from strata.server.lora import LoRARegistry
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +58,21 @@ class EngineDied(procs.ChildUnavailable):
     pass
 
 
+class EngineRefused(RequestError):
+    """The engine answered a call with an error: `status` is its HTTP status (400: the input)."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def lora_wire(lora: LoRARequest) -> dict:
+    return dataclasses.asdict(lora)
+
+
 class EngineClient:
-    def __init__(self, engine_kwargs: dict, ipc: procs.IpcDir, cpus: list[int] | None) -> None:
+    def __init__(self, engine_kwargs: dict, ipc: procs.IpcDir, cpus: list[int] | None,
+                 loras: LoRARegistry | None = None, call_timeout: float = 600.0) -> None:
         self.ctx = zmq.asyncio.Context.instance()
         self.sync_ctx = zmq.Context.shadow(self.ctx.underlying)  # sends never wait: see _send
         self.ipc = ipc
@@ -69,6 +92,10 @@ class EngineClient:
         self._died = asyncio.Event()
         self.on_stats = None  # callable(EngineStats) -> None, set by the metrics layer
         self.on_done = None  # callable(done record) -> None: every finished request's engine timeline
+        self.loras = loras if loras is not None else LoRARegistry()  # replayed into each engine process
+        self.call_timeout = call_timeout  # seconds a call (an adapter load) may take
+        self._calls: dict[int, asyncio.Future] = {}  # call token -> its reply
+        self._tokens = itertools.count(1)
 
     def _spawn(self) -> None:
         """A new engine process on fresh sockets (the old ones may hold messages for a dead one)."""
@@ -100,10 +127,30 @@ class EngineClient:
                 raise StrataError(f"engine process exited during start-up ({procs.describe_exit(self.proc.returncode)})")
             if time.monotonic() > deadline:
                 raise StrataError(f"engine not ready after {timeout:.0f}s")
-        self.ready, self.outage = True, None
         self._died.clear()
         self._reader = asyncio.create_task(self._read())
+        try:
+            await self._replay_loras(first=self.starts == 1)
+        except BaseException:  # this engine cannot serve: stopped, so a retry starts clean
+            self._reader.cancel()
+            procs.stop([self.proc])
+            raise
+        self.ready, self.outage = True, None
         return self.info
+
+    async def _replay_loras(self, first: bool) -> None:
+        """Add the registry's adapters to the new engine, before it takes any request."""
+        for lora in sorted(self.loras.adapters.values(), key=lambda lr: lr.lora_int_id):
+            try:
+                await self.load_lora(lora)
+            except EngineDied as e:
+                raise StrataError(f"the engine process died while adding LoRA adapter {lora.lora_name}: {e}") from None
+            except RequestError as e:
+                if first:
+                    raise StrataError(f"LoRA adapter {lora.lora_name} ({lora.path}) cannot be served: {e}") from None
+                self.loras.remove(lora.lora_name)
+                logger.error("LoRA adapter %s could not be added to the restarted engine (%s); it is no longer "
+                             "served (load it again once fixed)", lora.lora_name, e)
 
     async def _read(self) -> None:
         proc, pull = self.proc, self.pull
@@ -121,9 +168,22 @@ class EngineClient:
         self.outage = f"the engine process died ({how}) and is being restarted; retry when GET /ready returns 200"
         self._fail_all(f"the engine process died ({how}) while running this request")
         self.queues.clear()
+        calls, self._calls = self._calls, {}
+        for fut in calls.values():
+            if not fut.done():
+                fut.set_exception(EngineDied(f"the engine process died ({how}) before it answered; retry when "
+                                             "GET /ready returns 200"))
         self._died.set()
 
     def _route(self, msg: dict) -> None:
+        if msg.get("op") == "reply":
+            fut = self._calls.pop(msg["token"], None)
+            if fut is not None and not fut.done():
+                if msg.get("error") is not None:
+                    fut.set_exception(EngineRefused(msg["error"], msg.get("status", 400)))
+                else:
+                    fut.set_result(msg.get("result"))
+            return
         if msg.get("op") != "step":
             return
         for d in msg["deltas"]:
@@ -196,17 +256,57 @@ class EngineClient:
             return False
         return True
 
-    async def add(self, rid: str, prompt_ids: list[int], params: dict, q: asyncio.Queue) -> None:
+    async def add(self, rid: str, prompt_ids: list[int], params: dict, q: asyncio.Queue,
+                  lora: LoRARequest | None = None) -> None:
         """Send a request; its deltas, completion record and errors arrive on `q` as (kind, item).
 
-        While the engine is down the request fails at once with a 503 (on `q`, like engine errors)."""
+        While the engine is down the request fails at once with a 503 (on `q`, like engine errors);
+        a request whose adapter was unloaded since it was routed fails with a 404."""
+        if lora is not None and not self.loras.holds(lora):
+            q.put_nowait(("error", {"message": f"LoRA adapter {lora.lora_name!r} was unloaded before this request "
+                                    "reached the engine (GET /v1/models lists the served names)", "status": 404}))
+            return
         if self.alive:
             self.queues[rid] = q
-            if self._send({"op": "add", "id": rid, "prompt_ids": prompt_ids, "params": params}):
+            msg = {"op": "add", "id": rid, "prompt_ids": prompt_ids, "params": params}
+            if lora is not None:
+                msg["lora"] = lora_wire(lora)
+            if self._send(msg):
                 return
             self.queues.pop(rid, None)
         why = self.outage or "the engine is not running; retry when GET /ready returns 200"
         q.put_nowait(("error", {"message": why, "status": 503}))
+
+    async def call(self, msg: dict, timeout: float | None = None):
+        """Send `msg` with a token and wait for the engine's reply: its result, EngineRefused for an
+        error it answered, EngineDied when it dies first (or is not running)."""
+        if self.push is None or self.proc is None or self.proc.poll() is not None:
+            raise EngineDied(self.outage or "the engine is not running; retry when GET /ready returns 200")
+        token = next(self._tokens)
+        fut = asyncio.get_running_loop().create_future()
+        self._calls[token] = fut
+        if not self._send({**msg, "token": token}):
+            self._calls.pop(token, None)
+            raise EngineDied(self.outage or "the engine is not running; retry when GET /ready returns 200")
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), timeout or self.call_timeout)
+        except asyncio.TimeoutError:
+            raise StrataError(f"the engine did not answer {msg['op']} within {timeout or self.call_timeout:.0f}s") from None
+        finally:
+            self._calls.pop(token, None)
+
+    async def load_lora(self, lora: LoRARequest) -> None:
+        """Have the engine read and check the adapter (LoRAError naming the problem if it cannot)."""
+        try:
+            await self.call({"op": "load_lora", "lora": lora_wire(lora)})
+        except EngineRefused as e:
+            if e.status >= 500:
+                raise
+            raise LoRAError(str(e)) from None
+
+    async def unload_lora(self, lora: LoRARequest) -> bool:
+        """Refuse the adapter to new requests in the engine (running ones finish); False if unknown there."""
+        return bool(await self.call({"op": "unload_lora", "id": lora.lora_int_id}))
 
     async def abort(self, rids: list[str]) -> None:
         for rid in rids:

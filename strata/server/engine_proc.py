@@ -4,6 +4,11 @@ It receives requests as token ids from the front end, steps the engine whenever 
 and sends back the new token ids of every sequence it advanced (no text: detokenisation happens
 in the front end, off this loop). Requests, outputs and statistics are msgpack over ZeroMQ.
 It exits when the front end dies (procs.die_with_parent); the front end restarts it when it dies.
+
+LoRA adapters: a request's "add" message may name one (a LoRARequest's fields); "load_lora" and
+"unload_lora" are calls answered with a "reply" carrying their token. An adapter is read on the
+engine's worker thread (LLMEngine.add_lora(wait=False)) and the loop keeps stepping; the reply goes
+out once the read is done.
 """
 
 from __future__ import annotations
@@ -21,13 +26,16 @@ import traceback
 import zmq
 
 from strata.engine.parallel import RankDied
+from strata.errors import RequestError
 from strata.logs import setup_logging
+from strata.protocol.lora import LoRARequest
 from strata.protocol.wire import decode, encode, params_from_dict
 from strata.server import faults, procs
 
 logger = logging.getLogger("strata.server.engine")
 
 IDLE_POLL_MS = 100  # how long an idle loop waits for a message before sending fresh stats
+LOAD_POLL_MS = 5  # the same while an adapter is being read
 
 
 class EngineLoop:
@@ -38,6 +46,7 @@ class EngineLoop:
         self.running = True
         self.failed = False  # the engine cannot go on (a tensor-parallel rank died)
         self._last_stats = 0.0
+        self.loads: list[tuple[int, LoRARequest, object]] = []  # (call token, adapter, its read or None)
 
     # --- inbound ---------------------------------------------------------------------------
     def handle(self, msg: dict, errors: list) -> None:
@@ -47,11 +56,25 @@ class EngineLoop:
             rid = msg["id"]
             try:
                 params = params_from_dict(msg["params"])
-                eng.validate(0, msg["prompt_ids"], params)
-                eng.add_request(rid, None, msg["prompt_ids"], params)
+                lora = self._lora_of(msg.get("lora"))
+                eng.validate(0, msg["prompt_ids"], params, lora)
+                eng.add_request(rid, None, msg["prompt_ids"], params, lora)
             except Exception as e:  # a bad request fails alone
                 logger.warning("request %s rejected: %s", rid, e)
                 errors.append({"id": rid, "message": str(e), "status": 400})
+        elif op in ("load_lora", "unload_lora"):
+            try:
+                if op == "load_lora":
+                    lora = LoRARequest(**msg["lora"])
+                    self.loads.append((msg["token"], lora, None))
+                    self.poll_loads()
+                else:
+                    self.reply(msg["token"], result=eng.remove_lora(msg["id"]))
+            except RequestError as e:  # every call gets its reply, or the front end would wait for it
+                self.reply(msg["token"], error=str(e))
+            except Exception:
+                logger.error("%s failed:\n%s", op, traceback.format_exc())
+                self.reply(msg["token"], error=f"internal error in {op} (see the server log)", status=500)
         elif op == "abort":
             for rid in msg["ids"]:
                 eng.abort(rid)
@@ -62,6 +85,45 @@ class EngineLoop:
             self.running = False
         else:
             logger.error("unknown message op %r ignored", op)
+
+    def _lora_of(self, wire: dict | None) -> LoRARequest | None:
+        """The request's adapter, which must be one the engine holds: validate would read an
+        unknown one, and the server routes only to loaded adapters (an unload may have raced)."""
+        if wire is None:
+            return None
+        lora = LoRARequest(**wire)
+        if lora not in self.engine.list_loras():
+            raise RequestError(f"LoRA adapter {lora.lora_name!r} is not loaded in the engine (it was unloaded); "
+                               "GET /v1/models lists the served names")
+        return lora
+
+    def reply(self, token: int, result=None, error: str | None = None, status: int = 400) -> None:
+        self.push.send(encode({"op": "reply", "token": token, "result": result, "error": error, "status": status}))
+
+    def poll_loads(self) -> None:
+        """Start the adapter reads that are due, answer the ones that finished."""
+        left = []
+        for token, lora, fut in self.loads:
+            try:
+                if fut is None:
+                    if faults.lora_load_held():
+                        left.append((token, lora, None))
+                        continue
+                    fut = self.engine.add_lora(lora, wait=False)
+                if not fut.done():
+                    left.append((token, lora, fut))
+                    continue
+                fut.result()
+            except RequestError as e:  # LoRAError: the adapter's problem, named
+                logger.warning("LoRA adapter %s not loaded: %s", lora.lora_name, e)
+                self.reply(token, error=str(e))
+            except Exception:
+                logger.error("reading LoRA adapter %s failed:\n%s", lora.lora_name, traceback.format_exc())
+                self.reply(token, error=f"internal error while reading LoRA adapter {lora.lora_name} (see the "
+                           "server log)", status=500)
+            else:
+                self.reply(token)
+        self.loads = left
 
     def _forget(self, rid: str) -> None:
         for key in [k for k in self.sent if k[0] == rid]:
@@ -117,9 +179,13 @@ class EngineLoop:
         eng = self.engine
         while self.running:
             errors: list = []
-            self.drain_inbox(0 if eng.has_unfinished() else IDLE_POLL_MS, errors)
+            idle_ms = LOAD_POLL_MS if self.loads else IDLE_POLL_MS  # a load's reply goes out soon after its read
+            held = faults.engine_step_held()
+            self.drain_inbox(LOAD_POLL_MS if held else 0 if eng.has_unfinished() else idle_ms, errors)
+            if self.loads:
+                self.poll_loads()
             outputs = []
-            if eng.has_unfinished():
+            if eng.has_unfinished() and not faults.engine_step_held():  # looked at again: it may be new
                 try:
                     outputs = eng.step()
                 except RankDied as e:  # tensor parallelism lost a rank: this engine is done

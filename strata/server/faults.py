@@ -10,10 +10,15 @@ bottlenecks; parsing costs nothing when the variable is absent. The keys:
                            first restart, ...) exit before loading the model (a crash loop)
   engine_start_delay=S     the engine process sleeps S seconds before loading (a slow load)
   skip_port_check=1        do not pre-bind the HTTP port: uvicorn binds it late (the race path)
+  lora_load_gate=PATH      while PATH exists, the engine process holds LoRA adapter loads before
+                           reading them (steps go on: a slow load that must not stall requests)
+  engine_step_gate=PATH    while PATH exists, the engine process takes no step (requests wait in
+                           its queue, stats still go out: a busy engine, held deterministically)
 """
 
 from __future__ import annotations
 
+import os
 from functools import cache
 
 from strata.settings import SETTINGS
@@ -50,3 +55,16 @@ def engine_start_delay() -> float:
 
 def skip_port_check() -> bool:
     return faults().get("skip_port_check") == "1"
+
+
+def _gate_closed(key: str) -> bool:
+    path = faults().get(key)
+    return bool(path) and os.path.exists(path)
+
+
+def lora_load_held() -> bool:
+    return _gate_closed("lora_load_gate")
+
+
+def engine_step_held() -> bool:
+    return _gate_closed("engine_step_gate")

@@ -13,6 +13,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from strata.protocol.lora import LoRARequest
 from strata.protocol.output_text import OutputText
 from strata.protocol.sampling_params import SamplingParams
 from strata.protocol.wire import params_to_dict
@@ -61,6 +62,8 @@ class Generation:
     choices: dict[tuple[int, int], _Choice] = field(default_factory=dict)  # (prompt, seq index)
     detokenize_seconds: float = 0.0
     engine_suffix: str = ""  # keeps engine ids unique when clients reuse an X-Request-Id
+    lora: LoRARequest | None = None  # the adapter the request's `model` named
+    model_name: str = ""  # the `model` responses carry: the adapter's name, else the primary served name
 
     def engine_id(self, p: int) -> str:
         return f"{self.request_id}{self.engine_suffix}-{p}"
@@ -85,9 +88,10 @@ class Generation:
         ids = [self.engine_id(p) for p in range(len(self.prompts))]
         by_id = {rid: p for p, rid in enumerate(ids)}
         payload = params_to_dict(self.params)
+        adapter = {"lora": self.lora} if self.lora is not None else {}
         try:
             for rid, prompt in zip(ids, self.prompts):
-                await engine.add(rid, prompt, payload, queue)
+                await engine.add(rid, prompt, payload, queue, **adapter)
             while not self.finished:
                 kind, item = await queue.get()
                 if kind == "error":

@@ -20,11 +20,12 @@ from typing import Any, Protocol
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from strata.protocol.lora import LoRARequest
 from strata.protocol.sampling_params import SamplingParams
 from strata.server.generation import ChoiceDelta, EngineRequestFailed, Generation
 from strata.server.openai_api import error_response
 from strata.server.responses import usage
-from strata.server.state import ServerOptions, ServerState
+from strata.server.state import ServerState
 
 logger = logging.getLogger("strata.server")
 
@@ -65,11 +66,21 @@ class Submission:
     shape: ResponseShape
 
 
-def check_model(opts: ServerOptions, name: str | None) -> JSONResponse | None:
-    if name is not None and name not in opts.model_names:
-        served = " or ".join(map(repr, opts.model_names))
-        return error_response(404, f"model {name!r} does not exist; this server serves {served} (GET /v1/models)",
-                              param="model", code="model_not_found")
+def served_names(state: ServerState) -> tuple[str, ...]:
+    """Every name `model` may give: the base's served names, then the LoRA adapters'."""
+    return (*state.options.model_names, *state.loras.names())
+
+
+def model_not_found(state: ServerState, name: str) -> JSONResponse:
+    served = " or ".join(map(repr, served_names(state)))
+    return error_response(404, f"model {name!r} does not exist; this server serves {served} (GET /v1/models)",
+                          param="model", code="model_not_found")
+
+
+def check_model(state: ServerState, name: str | None) -> JSONResponse | None:
+    """A 404 listing the served names unless `name` is one of them (or absent: the base)."""
+    if name is not None and name not in state.options.model_names and state.loras.get(name) is None:
+        return model_not_found(state, name)
     return None
 
 
@@ -89,13 +100,14 @@ async def generate(request: Request, state: ServerState, req, prepare: Callable[
     The waiting count taken by `admit` is given back here if preparation fails, else by `deltas`
     at the first token (or when the generation ends without one).
     """
-    if (bad := check_model(state.options, req.model)) is not None:
+    if (bad := check_model(state, req.model)) is not None:
         return bad
+    lora = state.loras.get(req.model)  # routed now: an unload from here on fails it with a 404, not the base
     if (busy := admit(state)) is not None:
         return busy
     try:
         sub = await prepare()
-        gen = new_generation(state, sub, request)
+        gen = new_generation(state, sub, request, lora)
     except BaseException:
         state.waiting -= 1
         raise
@@ -105,17 +117,23 @@ async def generate(request: Request, state: ServerState, req, prepare: Callable[
     return await until_disconnect(request, state, collect_json(state, gen, req, sub.shape))
 
 
-def new_generation(state: ServerState, sub: Submission, request: Request | None = None) -> Generation:
+def new_generation(state: ServerState, sub: Submission, request: Request | None = None,
+                   lora: LoRARequest | None = None) -> Generation:
     """The response id is the endpoint's prefix + the request id (the client's X-Request-Id when sent,
-    as vLLM builds it); the engine's ids get a suffix of their own, since two clients may send the same."""
+    as vLLM builds it); the engine's ids get a suffix of their own, since two clients may send the same.
+    With an adapter, responses carry its name as `model` (as vLLM's do)."""
     given = request.scope.get("state", {}).get("request_id") if request is not None else None
     rid = sub.shape.id_prefix + (given or uuid.uuid4().hex)
     gen = Generation(state, rid, sub.prompts, sub.params, arrival=time.time(), tokenize_seconds=sub.tokenize_seconds,
-                     engine_suffix="-" + uuid.uuid4().hex[:8] if given else "")
+                     engine_suffix="-" + uuid.uuid4().hex[:8] if given else "", lora=lora,
+                     model_name=lora.lora_name if lora is not None else state.options.served_model_name)
     if request is not None:
         request.scope["state"]["generation"] = gen  # the access log line reads its token counts
     state.metrics.stage.labels("tokenize").inc(sub.tokenize_seconds)
     state.metrics.prompt_tokens.inc(gen.num_prompt_tokens)
+    if lora is not None:
+        state.metrics.lora_requests.labels(lora.lora_name).inc()
+        state.metrics.lora_prompt_tokens.labels(lora.lora_name).inc(gen.num_prompt_tokens)
     return gen
 
 
@@ -153,6 +171,8 @@ def record(state: ServerState, gen: Generation) -> None:
     end = time.time()
     metrics.e2e.observe(end - gen.arrival)
     metrics.generation_tokens.inc(gen.num_output_tokens)
+    if gen.lora is not None:
+        metrics.lora_generation_tokens.labels(gen.lora.lora_name).inc(gen.num_output_tokens)
     metrics.stage.labels("detokenize").inc(gen.detokenize_seconds)
     if gen.first_token_time is not None:
         metrics.ttft.observe(gen.first_token_time - gen.arrival)
@@ -192,7 +212,7 @@ async def collect_json(state: ServerState, gen: Generation, req, shape: Response
     created = int(time.time())
     choices = [shape.choice(i, "".join(text.get(i, [])), finish.get(i)) for i in range(len(gen.prompts) * req.n)]
     body = {"id": gen.request_id, "object": shape.object_name, "created": created,
-            "model": state.options.served_model_name, "choices": choices,
+            "model": gen.model_name, "choices": choices,
             "usage": usage(gen.num_prompt_tokens, gen.num_output_tokens)}
     return JSONResponse(body)
 
@@ -209,7 +229,7 @@ def _error_chunk(message: str, type_: str) -> bytes:
 async def stream_sse(state: ServerState, gen: Generation, req, shape: ResponseShape) -> AsyncIterator[bytes]:
     """SSE chunks, an optional usage chunk, then `[DONE]`; a failure mid-stream is an error chunk
     and `[DONE]` (the status line is long gone). Registered in `in_flight` so drain waits for it."""
-    model, created, rid = state.options.served_model_name, int(time.time()), gen.request_id
+    model, created, rid = gen.model_name, int(time.time()), gen.request_id
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     task = asyncio.current_task()
     if task is not None:

@@ -29,13 +29,15 @@ from strata import cli_options
 from strata.config import EngineConfig
 from strata.demo.model import demo_model_path
 from strata.engine.args import EngineArgs
-from strata.errors import StrataError
+from strata.errors import ConfigError, StrataError
 from strata.hardware.cores import server_layout
+from strata.protocol.lora import LoRAError
 from strata.protocol.tokenizer import Tokenizer
 from strata.protocol.tokenizer_dir import tokenizer_dir
 from strata.server import faults, procs, routes_ops
 from strata.server.app import ServerOptions, ServerState, build_app
 from strata.server.engine_client import EngineClient
+from strata.server.lora import LoRARegistry, check_adapter_files, parse_lora_modules
 from strata.server.metrics import Metrics
 from strata.server.tokenizer_pool import InLoopTokenizer, TokenizerPool
 from strata.settings import SETTINGS
@@ -49,6 +51,8 @@ SERVE_EXAMPLES = """examples:
   strata serve Qwen/Qwen2.5-0.5B-Instruct             # from the HF cache, else downloaded
   curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
        -d '{"prompt": "Once upon a time", "max_tokens": 32, "temperature": 0}'
+  strata serve ./base --enable-lora --lora-modules sonnets=./adapters/sonnets   # "model": "sonnets" picks it
+  strata serve ./base --enable-lora --enable-lora-updates --lora-dir ./adapters --api-key secret
 """
 
 # the `strata serve` command (strata/cli/registry.py lists it)
@@ -87,6 +91,17 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for the model to load")
     g.add_argument("--disable-log-requests", action="store_true",
                    help="no access log line per request (method, path, status, latency, tokens, request id)")
+    g = p.add_argument_group("LoRA adapters (with --enable-lora)")
+    g.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="adapters to serve from the start, each NAME=PATH (a PEFT adapter directory) or vLLM's "
+                   "JSON form '{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'; a request picks one by "
+                   "sending its NAME as `model` (put MODEL before this flag: it takes every word after it)")
+    g.add_argument("--enable-lora-updates", action="store_true",
+                   help="answer POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's routes; vLLM's "
+                   "switch is VLLM_ALLOW_RUNTIME_LORA_UPDATING); needs --lora-dir; behind --api-key when set")
+    g.add_argument("--lora-dir", default=None, metavar="DIR",
+                   help="the only directory runtime loading reads adapters from: a lora_path that resolves "
+                   "outside it (symlinks followed) is refused; a relative lora_path is taken inside it")
 
 
 GIVE_UP_GRACE = 1.0  # seconds /health answers 503 after the server gave up, before it exits
@@ -142,6 +157,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           "(copy the model's tokenizer files into that directory, or pass --tokenizer DIR)")
     opts.served_model_name = (opts.served_model_name or args.random_model or engine_args.hub_id()
                               or os.path.basename(os.path.normpath(model_path)))
+    loras = lora_registry(args, engine_args, opts.model_names)
     sock = None if faults.skip_port_check() else procs.listen_socket(args.host, args.port)
     ipc = None
     try:
@@ -149,7 +165,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             logger.info("removed %s (its server is gone)", d)
         ipc = procs.IpcDir()
         logger.info("layout: %s", layout.describe())
-        return asyncio.run(_serve(args, kwargs, model_path, opts, layout, sock, ipc, model_path_for_text))
+        return asyncio.run(_serve(args, kwargs, model_path, opts, layout, sock, ipc, model_path_for_text, loras))
     finally:
         if sock is not None:
             sock.close()
@@ -186,7 +202,7 @@ async def _first(**aws) -> str:
 
 
 async def _serve(args, kwargs: dict, model_path: str, opts: ServerOptions, layout, sock, ipc: procs.IpcDir,
-                 tokenizer_path: str) -> int:
+                 tokenizer_path: str, loras: LoRARegistry) -> int:
 
     loop = asyncio.get_running_loop()
     stop, force, signals = asyncio.Event(), asyncio.Event(), []
@@ -197,7 +213,7 @@ async def _serve(args, kwargs: dict, model_path: str, opts: ServerOptions, layou
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
-    state = ServerState(options=opts, metrics=Metrics(opts.served_model_name))
+    state = ServerState(options=opts, metrics=Metrics(opts.served_model_name), loras=loras)
     state.tokenizer = Tokenizer.from_dir(tokenizer_path, chat_template=kwargs.get("chat_template"))
     app = build_app(state)
     routes_ops.install(app, state)
@@ -213,7 +229,7 @@ async def _serve(args, kwargs: dict, model_path: str, opts: ServerOptions, layou
     code = 0
     try:
         t0 = time.perf_counter()
-        state.engine = EngineClient(kwargs, ipc, layout.compute_cpus)
+        state.engine = EngineClient(kwargs, ipc, layout.compute_cpus, loras=loras, call_timeout=opts.startup_timeout)
         state.engine.on_stats = state.metrics.on_engine_stats
         state.engine.on_done = state.metrics.on_engine_done
         if layout.tokenizer_workers > 0:
@@ -236,7 +252,7 @@ async def _serve(args, kwargs: dict, model_path: str, opts: ServerOptions, layou
         gpu_tf32_checks(gpus, state.info, state.metrics)
         state.ready = True
         port = sock.getsockname()[1] if sock is not None else args.port  # the real one for --port 0
-        for line in startup_summary(state.info, kwargs, opts, layout, model_path):
+        for line in startup_summary(state.info, kwargs, opts, layout, model_path) + lora_summary(loras, kwargs):
             logger.info("%s", line)
         logger.info("serving on http://%s:%d (ready in %.1fs)", args.host, port, time.perf_counter() - t0)
         watchers.append(asyncio.create_task(state.engine.supervise(opts.startup_timeout)))
@@ -301,6 +317,51 @@ def startup_summary(info: dict, kwargs: dict, opts: ServerOptions, layout, model
         _kv_summary(info, kwargs),
         f"threads: {info.get('threads', '?')} compute; {layout.describe()}",
     ]
+
+
+def lora_registry(args: argparse.Namespace, engine_args: EngineArgs, base_names: tuple[str, ...]) -> LoRARegistry:
+    """The LoRA flags checked together (each refusal names the flag and the fix) and the adapters of
+    --lora-modules registered, their files checked before any process starts."""
+    given = [flag for flag, on in (
+        ("--lora-modules", bool(args.lora_modules)), ("--lora-dir", args.lora_dir is not None),
+        ("--enable-lora-updates", args.enable_lora_updates), ("--max-loras", "max_loras" in engine_args.overrides),
+        ("--max-lora-rank", "max_lora_rank" in engine_args.overrides),
+        ("--max-cpu-loras", "max_cpu_loras" in engine_args.overrides)) if on]
+    if not engine_args.get("enable_lora"):
+        if given:
+            raise ConfigError(f"{given[0]} needs --enable-lora (LoRA adapters are off without it)")
+        return LoRARegistry()
+    if args.enable_lora_updates and args.lora_dir is None:
+        raise ConfigError("--enable-lora-updates needs --lora-dir DIR: runtime loading reads adapters from inside "
+                          "that directory only")
+    if args.lora_dir is not None:
+        if not args.enable_lora_updates:
+            raise ConfigError("--lora-dir is where runtime loading reads adapters from; it needs "
+                              "--enable-lora-updates (adapters given at start are named by --lora-modules)")
+        if not os.path.isdir(args.lora_dir):
+            raise ConfigError(f"--lora-dir {args.lora_dir}: not a directory")
+    reg = LoRARegistry(enabled=True, updates=args.enable_lora_updates,
+                       lora_dir=os.path.realpath(args.lora_dir) if args.lora_dir else None)
+    for name, path, base in parse_lora_modules(args.lora_modules):
+        if name in base_names:
+            raise ConfigError(f"--lora-modules: {name!r} is the base model's served name; give the adapter another")
+        try:
+            lora = reg.new(name, os.path.abspath(os.path.expanduser(path)), base)
+            check_adapter_files(lora)
+        except LoRAError as e:
+            raise ConfigError(f"--lora-modules: {e}") from None
+        reg.add(lora)
+    return reg
+
+
+def lora_summary(loras: LoRARegistry, kwargs: dict) -> list[str]:
+    """The start-up line about adapters, when LoRA is on."""
+    if not loras.enabled:
+        return []
+    names = ", ".join(f"{lr.lora_name} ({lr.path})" for lr in loras.adapters.values()) or "none yet"
+    runtime = f"; runtime loading from {loras.lora_dir}" if loras.updates else ""
+    return [f"LoRA adapters: {names}; max_loras {kwargs.get('max_loras', 1)}, max_lora_rank "
+            f"{kwargs.get('max_lora_rank', 16)}{runtime}"]
 
 
 def gpu_device_checks(kwargs: dict, metrics: Metrics) -> list:

@@ -4,9 +4,16 @@ Two kinds of time are exported: per-request stage time summed over requests
 (`strata_request_stage_seconds_total{stage=tokenize|queue|prefill|decode|detokenize|stream}`) and
 the engine loop's wall time per step phase (`strata_engine_step_seconds_total{phase=schedule|
 forward|sample}`); together they let the analyzer attribute where a request's time went.
+
+LoRA adapters: per adapter, requests and tokens (`strata_lora_*_total{lora_name=...}`), and vLLM's
+`vllm:lora_requests_info` gauge (labels max_lora, running_lora_adapters, waiting_lora_adapters:
+comma-separated names; value: when it was last set, as vLLM's). vLLM adds a series per label
+combination ever seen; here the previous one is removed, so the one series is the current state.
 """
 
 from __future__ import annotations
+
+import time
 
 from prometheus_client import (
     CollectorRegistry,
@@ -87,6 +94,16 @@ class Metrics:
         # mixture of experts: tokens routed to each expert of each MoE layer (hot experts, imbalance)
         self.expert_tokens = Counter("strata_moe_expert_tokens", "tokens routed to an expert (prefill and decode)",
                                      ["layer", "expert", "model_name"], registry=r)
+        # LoRA adapters (--enable-lora): per adapter, as the request's `model` named it
+        self.lora_requests = Counter("strata_lora_requests", "generation requests admitted, by LoRA adapter",
+                                     ["lora_name", "model_name"], registry=r)
+        self.lora_prompt_tokens = Counter("strata_lora_prompt_tokens", "prompt tokens of admitted requests, by "
+                                          "LoRA adapter", ["lora_name", "model_name"], registry=r)
+        self.lora_generation_tokens = Counter("strata_lora_generation_tokens", "tokens generated, by LoRA adapter",
+                                              ["lora_name", "model_name"], registry=r)
+        self.lora_info = Gauge("vllm:lora_requests_info", "Running stats on lora requests (vLLM's): the adapters "
+                               "of the running and waiting requests; value: when last set (unix seconds)",
+                               ["max_lora", "waiting_lora_adapters", "running_lora_adapters"], registry=r)
         self.in_flight = Gauge("strata_http_requests_in_flight", "generation requests being served", ["model_name"], registry=r)
         # GPU start-up checks (hardware/startup_checks.py): 0/1 for alerts, and the detail as an info gauge
         self.gpu_check_warning = Gauge("strata_gpu_check_warning", "1 when a GPU start-up check warned "
@@ -103,6 +120,7 @@ class Metrics:
             self.stage.labels(s)
         self._last = EngineStats()
         self._gpu_info: dict[tuple[str, str], tuple[str, ...]] = {}
+        self._lora_info: tuple[str, str, str] | None = None
 
     def on_engine_stats(self, s: EngineStats) -> None:
         """Gauges take the engine's values; counters advance by what changed since the last report."""
@@ -139,7 +157,16 @@ class Metrics:
             delta = secs - last.stage_seconds.get(phase, 0.0)
             if delta > 0:
                 self.step_phase.labels(phase).inc(delta)
+        if s.max_loras:
+            self._set_lora_info(s, time.time())
         self._last = s
+
+    def _set_lora_info(self, s: EngineStats, now: float) -> None:
+        labels = (str(s.max_loras), ",".join(s.lora_waiting), ",".join(s.lora_running))
+        if self._lora_info is not None and self._lora_info != labels:
+            self.lora_info.remove(*self._lora_info)
+        self._lora_info = labels
+        self.lora_info.labels(*labels).set(now)
 
     def on_engine_done(self, record: dict) -> None:
         """A request finished in the engine: its queue, prefill and decode time."""

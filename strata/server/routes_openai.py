@@ -19,7 +19,7 @@ from strata.protocol.sampling_params import StructuredOutput
 from strata.protocol.validation import ModelLimits, validate_request
 from strata.server import faults
 from strata.server.generation import ChoiceDelta
-from strata.server.generation_http import Submission, generate
+from strata.server.generation_http import Submission, generate, model_not_found, served_names
 from strata.server.openai_api import (
     ChatRequest,
     CompletionRequest,
@@ -28,7 +28,6 @@ from strata.server.openai_api import (
     chat_messages,
     check_fields,
     completion_logprobs,
-    error_response,
     load_body,
     sampling_params,
     validation_message,
@@ -51,23 +50,26 @@ class BodyTooLarge(Exception):
 
 
 def _model_card(state: ServerState, name: str) -> dict:
-    return {"id": name, "object": "model", "created": int(time.time()),
-            "owned_by": "strata", "max_model_len": state.info.get("max_model_len")}
+    """vLLM's card: an adapter's `root` is its directory and `parent` the base it runs on."""
+    lora = state.loras.get(name) if name not in state.options.model_names else None
+    card = {"id": name, "object": "model", "created": int(time.time()), "owned_by": "strata",
+            "root": state.info.get("model_path"), "parent": None, "max_model_len": state.info.get("max_model_len")}
+    if lora is not None:
+        card["root"], card["parent"] = lora.path, lora.base_model_name or state.options.served_model_name
+    return card
 
 
 @router.get("/v1/models")
 async def models(request: Request):
-    state = server_state(request)  # every --served-model-name, the primary first (as vLLM lists them)
-    return {"object": "list", "data": [_model_card(state, name) for name in state.options.model_names]}
+    state = server_state(request)  # every --served-model-name, the primary first, then the adapters (as vLLM)
+    return {"object": "list", "data": [_model_card(state, name) for name in served_names(state)]}
 
 
 @router.get("/v1/models/{model_id:path}")
 async def model(request: Request, model_id: str):
     state = server_state(request)
-    if model_id not in state.options.model_names:
-        return error_response(404, f"model {model_id!r} does not exist; this server serves "
-                              f"{' or '.join(map(repr, state.options.model_names))}", param="model",
-                              code="model_not_found")
+    if model_id not in served_names(state):
+        return model_not_found(state, model_id)
     return _model_card(state, model_id)
 
 

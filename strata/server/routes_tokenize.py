@@ -47,7 +47,7 @@ async def _read(request: Request, model_cls, param: str):
     """(server state, the typed body, a 404 response when it names another model, else None)."""
     state = server_state(request)
     req = parse(model_cls, await read_body(request, state.options.max_request_bytes))
-    bad = check_model(state.options, req.model)
+    bad = check_model(state, req.model)
     if bad is None and state.tokenizer is None:
         raise RequestError("this model has no tokenizer.json: it takes token ids only", param=param)
     return state, req, bad

@@ -12,6 +12,7 @@ from fastapi import Request
 
 from strata.config import parse_bytes
 from strata.errors import ConfigError
+from strata.server.lora import LoRARegistry
 from strata.server.metrics import Metrics
 
 
@@ -59,6 +60,7 @@ class ServerState:
     failed: str | None = None  # the server gave up (a child cannot be restarted): /health is 503
     waiting: int = 0  # admitted requests without a first token yet (what --max-queue bounds)
     in_flight: set = field(default_factory=set)  # asyncio tasks serving generation requests
+    loras: LoRARegistry = field(default_factory=LoRARegistry)  # the adapters `model` may name
 
     @property
     def outage(self) -> str | None:
