@@ -5,6 +5,7 @@ tensors by the loader's own name map (graph/loader.checkpoint_targets), read in 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import tempfile
@@ -29,13 +30,30 @@ def hf_state_dict(model: CausalLM, dtype: torch.dtype = torch.float32) -> dict[s
     return out
 
 
-def export_hf(model: CausalLM, config: dict[str, Any], tokenizer_dir: Path, dest: Path,
-              bos: int | None, eos: list[int], dtype: torch.dtype = torch.float32) -> Path:
-    """Write the directory atomically (a temp dir renamed over `dest`'s place)."""
+@contextlib.contextmanager
+def atomic_dir(dest: Path):
+    """Fill a temporary directory beside `dest` (the with-block writes into the path it yields),
+    then rename it over `dest`'s place: readers see the old directory or the whole new one."""
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
     try:
+        yield tmp
+        for f in tmp.iterdir():
+            f.chmod(0o644)
+        tmp.chmod(0o755)
+        if dest.exists():
+            shutil.rmtree(dest)
+        tmp.rename(dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def export_hf(model: CausalLM, config: dict[str, Any], tokenizer_dir: Path, dest: Path,
+              bos: int | None, eos: list[int], dtype: torch.dtype = torch.float32) -> Path:
+    """Write the directory atomically (a temp dir renamed over `dest`'s place)."""
+    with atomic_dir(dest) as tmp:
         cfg = {**config, "torch_dtype": str(dtype).removeprefix("torch."), "bos_token_id": bos,
                "eos_token_id": eos[0] if len(eos) == 1 else eos}
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
@@ -46,13 +64,4 @@ def export_hf(model: CausalLM, config: dict[str, Any], tokenizer_dir: Path, dest
         for name in TOKENIZER_FILES:
             if (tokenizer_dir / name).is_file():
                 shutil.copyfile(tokenizer_dir / name, tmp / name)
-        for f in tmp.iterdir():
-            f.chmod(0o644)
-        tmp.chmod(0o755)
-        if dest.exists():
-            shutil.rmtree(dest)
-        tmp.rename(dest)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return dest
+    return Path(dest)

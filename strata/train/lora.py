@@ -29,8 +29,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import shutil
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -46,6 +44,7 @@ from strata.graph.lora_adapter import PEFT_PREFIX, Site, attach_banks, lora_site
 from strata.memory.quant import QuantLinear
 from strata.protocol.lora import CONFIG_FILE, WEIGHTS_FILE
 from strata.train.config import ALL_LINEAR, LORA_TARGETS, TrainConfig
+from strata.train.export import atomic_dir
 
 ADAPTER_FILE = "adapter.safetensors"  # a LoRA checkpoint's tensors (the banks, under their own names)
 
@@ -246,21 +245,9 @@ def write_peft_adapter(dest: Path, spec: LoRASpec, sites: dict[str, Site], base:
     """The PEFT adapter directory (adapter_config.json + adapter_model.safetensors), written
     atomically: a temporary directory renamed over `dest`'s place. `extra`: a strata_train.json
     beside them (the run's record; peft and the server ignore it)."""
-    dest = Path(dest)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
-    try:
+    with atomic_dir(dest) as tmp:
         (tmp / CONFIG_FILE).write_text(json.dumps(peft_config(spec, sites, base), indent=2) + "\n", encoding="utf-8")
         save_file(peft_tensors(sites, dtype), str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         if extra:
             (tmp / "strata_train.json").write_text(json.dumps(extra, indent=2) + "\n", encoding="utf-8")
-        for f in tmp.iterdir():
-            f.chmod(0o644)
-        tmp.chmod(0o755)
-        if dest.exists():
-            shutil.rmtree(dest)
-        tmp.rename(dest)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return dest
+    return Path(dest)
