@@ -63,6 +63,9 @@ def parse_bytes(value: int | float | str, field: str) -> int:
 KV_CACHE_DTYPES = ("auto", "bfloat16", "int8", "fp8")
 
 
+LORA_DTYPES = ("auto", "float32", "bfloat16")  # EngineConfig.lora_dtype
+
+
 @dataclass
 class EngineConfig:
     """Everything the engine needs to start; validated at construction."""
@@ -120,6 +123,9 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # the resident adapters' storage: auto = float32 over an fp32 base, bfloat16 over a narrower one
+    # (bf16, int8, int4 weights), where fp32 adapters would cost more bytes a step than they are worth
+    lora_dtype: str = "auto"
 
     def _check_lora(self) -> None:
         if not isinstance(self.enable_lora, bool):
@@ -128,6 +134,9 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(f"{name}: must be a positive integer, got {v!r}")
+        if self.lora_dtype not in LORA_DTYPES:
+            hint = " (float16 is not supported on CPU; use bfloat16)" if self.lora_dtype == "float16" else ""
+            raise ConfigError(f"lora_dtype: {self.lora_dtype!r} is not one of {', '.join(LORA_DTYPES)}{hint}")
         if self.max_lora_rank > 512:
             raise ConfigError(f"max_lora_rank: {self.max_lora_rank} is above the 512 supported")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:

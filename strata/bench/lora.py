@@ -32,6 +32,7 @@ from strata.bench.common import (
     write_json,
 )
 from strata.config import cache_root
+from strata.cpuinfo import cpu_model_and_flags
 from strata.engine.llm import LLM
 from strata.errors import ConfigError
 from strata.protocol.lora import LoRARequest
@@ -94,8 +95,10 @@ def run(args: argparse.Namespace) -> int:
     rng = np.random.default_rng(args.seed)
     prompts = random_prompts(rng, eng.model_config.vocab_size, [args.input_len] * args.num_prompts, special_ids(eng))
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    lora_dtype = str(eng.lora.banks[0].lora_a.dtype).removeprefix("torch.")
     print(f"model {eng.model_path} ({eng.model_config.architecture}), {str(eng.dtype).replace('torch.', '')}, "
-          f"weights {eng.config.quantization or 'as loaded'}, {eng.threads} threads; adapters rank {args.rank} on "
+          f"weights {eng.config.quantization or 'as loaded'}, {eng.threads} threads; adapters rank {args.rank} "
+          f"({lora_dtype}) on "
           f"{args.targets} projections; {args.num_prompts} requests x {args.input_len} in / {args.output_len} out")
     llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False, lora_request=loras[0])
 
@@ -134,5 +137,6 @@ def run(args: argparse.Namespace) -> int:
     print_table(["case", "tok/s (median)", "every round", f"vs {'0 adapters / base'}"], rows)
     llm.close()
     write_json(args.json, {"benchmark": NAME, "model": str(eng.model_path), "rank": args.rank,
-                           "targets": args.targets, "rounds": rounds})
+                           "targets": args.targets, "lora_dtype": lora_dtype, "cpu": cpu_model_and_flags()[0],
+                           "rounds": rounds})
     return 0

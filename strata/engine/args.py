@@ -101,6 +101,8 @@ FLAGS: tuple[_Flag, ...] = (
     _Flag("max_loras", "LoRA adapters resident in one batch (a request whose adapter does not fit waits)", type=int),
     _Flag("max_lora_rank", "the largest LoRA rank an adapter may have (the resident adapters are padded to it)",
           type=int),
+    _Flag("lora_dtype", "how the resident LoRA adapters are stored; auto: float32 over an fp32 base, bfloat16 "
+          "over bf16/int8/int4 weights (vLLM's name)", choices=("auto", "float32", "bfloat16")),
     _Flag("max_cpu_loras", "LoRA adapters whose weights the host keeps read (least recently used dropped first)",
           type=int, default_text="--max-loras"),
     _Flag("comm_dtype", "compress the tensor-parallel all-reduce to this dtype", choices=("bfloat16", "float16"),

@@ -46,6 +46,7 @@ from strata.graph.fusion import fuse_model
 from strata.graph.gguf_model import default_storage, gguf_files
 from strata.graph.hub import check_model_dir
 from strata.graph.loader import load_model
+from strata.graph.lora_adapter import lora_dtype
 from strata.graph.tensor_parallel import check_shardable, per_rank_config, shard_model
 from strata.hardware.dtype_policy import auto_dtype
 from strata.hardware.host_allocator import keep_freed_memory
@@ -423,7 +424,8 @@ def _build(config: EngineConfig, ckpt: Checkpoint, detokenize: bool, threads: in
     platform.prepare_model(model, config)
     lora = None
     if config.enable_lora:  # the adapters' banks count in the weights the KV plan leaves room for
-        lora = LoRAManager(model, config.max_loras, config.max_lora_rank, config.max_cpu_loras, str(ckpt.path))
+        lora = LoRAManager(model, config.max_loras, config.max_lora_rank, config.max_cpu_loras, str(ckpt.path),
+                           lora_dtype(config.lora_dtype, model))
     # the loaded model's own bytes: a GGUF's or a prequantized checkpoint's layouts are not the
     # estimate's (memory/planner.weight_bytes counts --quantization's)
     plan, blocks, kv_caches = kv_memory(config, rank_cfg, dtype, max_len, agree, model_weight_bytes(model))

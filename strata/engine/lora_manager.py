@@ -16,6 +16,8 @@ import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import torch
+
 from strata.graph.lora_adapter import AdapterWeights, Site, attach_banks, read_adapter
 from strata.protocol.lora import LoRAError, LoRARequest
 
@@ -24,11 +26,11 @@ logger = logging.getLogger(__name__)
 
 class LoRAManager:
     def __init__(self, model, max_loras: int, max_lora_rank: int, max_cpu_loras: int | None,
-                 base_name: str | None = None) -> None:
+                 base_name: str | None = None, dtype: torch.dtype = torch.float32) -> None:
         self.model, self.max_loras, self.max_rank = model, max_loras, max_lora_rank
         self.max_cpu_loras = max_cpu_loras or max_loras
         self.base_name = base_name
-        self.sites: dict[str, Site] = attach_banks(model, max_loras, max_lora_rank)
+        self.sites: dict[str, Site] = attach_banks(model, max_loras, max_lora_rank, dtype=dtype)
         self.banks = list({id(s.module): s.module.lora for s in self.sites.values()}.values())
         self._lock = threading.Lock()
         self._known: dict[int, LoRARequest] = {}  # lora_int_id -> request (registered)

@@ -7,7 +7,8 @@ as its child module `lora`: `slots` adapters' A and B stacked, zero-padded to on
 
 where a fused module (qkv, gate/up) has one segment per HF projection it holds (q, k, v), each with
 its own rank block of A and its own output rows of B; an adapter that leaves a segment out has
-zeros there. y += scale * B_seg (A_seg x) for the rows of each slot: shrink, then expand.
+zeros there. y += scale * B_seg (A_seg x) for the rows of each slot: shrink, then expand. A and B
+are stored fp32 or bf16 (EngineConfig.lora_dtype) and always computed in fp32.
 
 Which slot each token row uses is the step's `LoRABatch`, set around the forward by `lora_batch`
 (a ContextVar, like the kernel thread cap: nothing else in the process sees it): rows grouped by
@@ -28,6 +29,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from strata.kernels import cpu_lora
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,16 @@ class LoRABatch:
         """Every row through one slot (training; a batch of one adapter)."""
         return cls(((slot, None),), None)
 
+    def row_slots(self, rows: int) -> np.ndarray | None:
+        """Each of `rows` rows' slot (-1: none), from the groups when token_slots is not given;
+        None when token_slots is given for another row count."""
+        if self.token_slots is not None:
+            return self.token_slots if len(self.token_slots) == rows else None
+        slots = np.full(rows, -1, np.int64)
+        for slot, idx in self.groups:
+            slots[slice(None) if idx is None else idx.numpy()] = slot
+        return slots
+
 
 ACTIVE: ContextVar[LoRABatch | None] = ContextVar("strata_lora_batch", default=None)
 
@@ -73,15 +86,19 @@ class LoRABank(nn.Module):
     """The adapters of one projection module (see the module docstring for the layout)."""
 
     def __init__(self, in_features: int, segments: list[tuple[int, int]], slots: int, rank: int,
-                 trainable: bool = False, dropout: float = 0.0, device=None) -> None:
+                 trainable: bool = False, dropout: float = 0.0, device=None,
+                 dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.in_features, self.segments, self.slots, self.rank = in_features, tuple(segments), slots, rank
         self.out_features = segments[-1][1]
         self.dropout = dropout
         n = len(segments)
-        self.lora_a = nn.Parameter(torch.zeros(slots, n * rank, in_features, device=device), requires_grad=trainable)
-        self.lora_b = nn.Parameter(torch.zeros(slots, self.out_features, rank, device=device), requires_grad=trainable)
+        self.lora_a = nn.Parameter(torch.zeros(slots, n * rank, in_features, device=device, dtype=dtype),
+                                   requires_grad=trainable)
+        self.lora_b = nn.Parameter(torch.zeros(slots, self.out_features, rank, device=device, dtype=dtype),
+                                   requires_grad=trainable)
         self.register_buffer("scale", torch.zeros(slots, n, device=device))
+        self._bounds: np.ndarray | None = None  # the segments' column bounds, for the CPU kernel
 
     def set_slot(self, slot: int, weights: dict[int, tuple[torch.Tensor, torch.Tensor, float]]) -> None:
         """Fill `slot` with an adapter's segments {segment: (A [r, in], B [seg_out, r], scale)};
@@ -106,9 +123,9 @@ class LoRABank(nn.Module):
         return self.lora_a[slot, seg * self.rank : (seg + 1) * self.rank], self.lora_b[slot, lo:hi]
 
     def delta(self, x: torch.Tensor, slot: int) -> torch.Tensor:
-        """scale * B (A x) of one slot for rows x [n, in] -> [n, out] (fp32 or the bank's dtype)."""
-        a, b = self.lora_a[slot], self.lora_b[slot]
-        x = x.to(a.dtype)
+        """scale * B (A x) of one slot for rows x [n, in] -> [n, out], in fp32 (a bf16 bank widened)."""
+        a, b = self.lora_a[slot].float(), self.lora_b[slot].float()
+        x = x.float()
         if self.dropout and self.training:
             x = F.dropout(x, self.dropout, True)
         xa = x @ a.t()  # [n, segments * rank]
@@ -120,9 +137,16 @@ class LoRABank(nn.Module):
         return torch.cat(parts, dim=-1)
 
     def add(self, x: torch.Tensor, y: torch.Tensor, batch: LoRABatch) -> torch.Tensor:
-        """y + each row's adapter delta (rows grouped by slot: one shrink and one expand a slot)."""
+        """y + each row's adapter delta: a few rows in one kernel call over the bank
+        (kernels/cpu_lora.py, where it runs), else rows grouped by slot, one shrink and one expand a slot."""
         lead = y.shape[:-1]
         x2, y2 = x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1])
+        slots = batch.row_slots(len(x2))
+        if not (self.dropout and self.training) and slots is not None and cpu_lora.usable(x2, y2, self.lora_a):
+            if self._bounds is None:
+                self._bounds = cpu_lora.bounds_of(self.segments)
+            cpu_lora.add_rows(x2, y2, self.lora_a, self.lora_b, self.scale, self._bounds, slots)
+            return y2.view(*lead, y2.shape[-1])
         inplace = not torch.is_grad_enabled()
         for slot, rows in batch.groups:
             if rows is None:

@@ -75,10 +75,20 @@ def segments_of(module: nn.Module, sites: dict[str, Site]) -> list[tuple[int, in
     return bounds
 
 
+def lora_dtype(choice: str, model: nn.Module) -> torch.dtype:
+    """The banks' storage for EngineConfig.lora_dtype: auto = float32 where the first layer's qkv
+    projection holds fp32 weights, else bfloat16 (a narrow base: fp32 adapters would stream more
+    bytes a step than their precision is worth next to bf16/int8/int4 weights)."""
+    if choice != "auto":
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16}[choice]
+    tensors = list(model.layers[0].self_attn.qkv_proj.state_dict().values())
+    return torch.float32 if all(t.dtype == torch.float32 for t in tensors) else torch.bfloat16
+
+
 def attach_banks(model: nn.Module, slots: int, rank: int, trainable: bool = False, dropout: float = 0.0,
-                 only: set[str] | None = None) -> dict[str, Site]:
+                 only: set[str] | None = None, dtype: torch.dtype = torch.float32) -> dict[str, Site]:
     """Give every LoRA site's module a bank of `slots` adapters of rank <= `rank` (`only`: just the
-    modules holding these HF names); returns the sites."""
+    modules holding these HF names), stored as `dtype`; returns the sites."""
     sites = lora_sites(model)
     done = set()
     for site in sites.values():
@@ -88,7 +98,7 @@ def attach_banks(model: nn.Module, slots: int, rank: int, trainable: bool = Fals
         done.add(id(m))
         device = next(iter(m.buffers()), None)
         device = device.device if device is not None else m.weight.device
-        m.lora = LoRABank(m.in_features, segments_of(m, sites), slots, rank, trainable, dropout, device)
+        m.lora = LoRABank(m.in_features, segments_of(m, sites), slots, rank, trainable, dropout, device, dtype)
     return {hf: s for hf, s in sites.items() if bank_present(s.module)}
 
 

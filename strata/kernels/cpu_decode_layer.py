@@ -15,6 +15,12 @@ grouped formats with zero points) and, for the int8
 formats, the int8-activation (VNNI) variant by the same rules as the eager dispatch, so the
 results equal the eager path's bit for bit.
 
+LoRA (`lora_layer`, `moe_attention_lora`): the same layer with each row's adapter added to every
+projection that has a bank (kernels/cpu_lora.py), where the eager decoder adds it: after the
+bias, before the q/k norms and the residual add; with a bank on gate_up the SwiGLU runs unfused
+(project, add, silu * up) as the eager MLP does then. Only steps where some row has an adapter
+take it; the others run `_layer` as before.
+
 Reference twin: the eager layer (graph/models/llama.DecoderLayer with the same kernels, and with
 the kernel mode's fast paths off, the torch reference ops); tests compare all three.
 """
@@ -29,7 +35,15 @@ try:
     import numba
     from numba import njit
 
-    from strata.kernels import cpu_attention, cpu_bf16, cpu_gemv, cpu_norm, cpu_quant, cpu_rope
+    from strata.kernels import (
+        cpu_attention,
+        cpu_bf16,
+        cpu_gemv,
+        cpu_lora,
+        cpu_norm,
+        cpu_quant,
+        cpu_rope,
+    )
 except ImportError:  # pragma: no cover - exercised only where numba is absent
     numba = None
 
@@ -138,13 +152,9 @@ if numba is not None:
                     qkv[r, c] = min(max(qkv[r, c], -clip), clip)
 
     @njit(cache=True)
-    def _attend(
-        x, residual, has_residual, k_cache, v_cache,
-        ln1, ln2, eps, wqkv, sqkv, bqkv, gqkv, vqkv, wo, so, bo, go, vo, heads, kv_heads, scale, window,
-        qn, kn, qk_whole, clip,
-        cos, sin, slots, tables, lens, threads, h, qkv, q3, attn3, attn, o, res_out,
-    ):  # pragma: no cover - compiled
-        """The layer up to its MLP: leaves the normed MLP input in h, the residual stream in res_out."""
+    def _attn_qkv(x, residual, has_residual, ln1, eps, wqkv, sqkv, bqkv, gqkv, vqkv, threads, h, qkv,
+                  res_out):  # pragma: no cover - compiled
+        """The input norm (h, the residual stream in res_out), then qkv = h @ Wqkv.T (+ bias)."""
         if has_residual:
             cpu_norm._add_rms_norm(x, residual, ln1, eps, h, res_out, True)
         else:
@@ -153,6 +163,11 @@ if numba is not None:
         project(wqkv, sqkv, h, qkv, gqkv, vqkv, threads)
         if bqkv.shape[0]:
             _add_bias(qkv, bqkv)
+
+    @njit(cache=True)
+    def _attn_core(k_cache, v_cache, eps, wo, so, bo, go, vo, heads, kv_heads, scale, window, qn, kn, qk_whole,
+                   clip, cos, sin, slots, tables, lens, threads, qkv, q3, attn3, attn, o):  # pragma: no cover
+        """q/k norms, rotary + KV write, paged attention, then o = attn @ Wo.T (+ bias)."""
         if qn.shape[0]:
             _qk_norm(qkv, qn, kn, heads, kv_heads, q3.shape[2], eps, qk_whole, clip)
         cpu_rope._rope_store(qkv, cos, sin, slots, k_cache, v_cache, heads, kv_heads, q3)
@@ -160,7 +175,36 @@ if numba is not None:
         project(wo, so, attn, o, go, vo, threads)
         if bo.shape[0]:
             _add_bias(o, bo)
+
+    @njit(cache=True)
+    def _attend(
+        x, residual, has_residual, k_cache, v_cache,
+        ln1, ln2, eps, wqkv, sqkv, bqkv, gqkv, vqkv, wo, so, bo, go, vo, heads, kv_heads, scale, window,
+        qn, kn, qk_whole, clip,
+        cos, sin, slots, tables, lens, threads, h, qkv, q3, attn3, attn, o, res_out,
+    ):  # pragma: no cover - compiled
+        """The layer up to its MLP: leaves the normed MLP input in h, the residual stream in res_out."""
+        _attn_qkv(x, residual, has_residual, ln1, eps, wqkv, sqkv, bqkv, gqkv, vqkv, threads, h, qkv, res_out)
+        _attn_core(k_cache, v_cache, eps, wo, so, bo, go, vo, heads, kv_heads, scale, window, qn, kn, qk_whole,
+                   clip, cos, sin, slots, tables, lens, threads, qkv, q3, attn3, attn, o)
         cpu_norm._add_rms_norm(o, res_out, ln2, eps, h, res_out, True)  # in place: each element read first
+
+    @njit(cache=True)
+    def _attend_lora(
+        x, residual, has_residual, k_cache, v_cache,
+        ln1, ln2, eps, wqkv, sqkv, bqkv, gqkv, vqkv, wo, so, bo, go, vo, heads, kv_heads, scale, window,
+        qn, kn, qk_whole, clip,
+        token_slots, xa, bounds, aqkv, bqkv_lora, sqkv_lora, ao, bo_lora, so_lora,
+        cos, sin, slots, tables, lens, threads, h, qkv, q3, attn3, attn, o, res_out,
+    ):  # pragma: no cover - compiled
+        """_attend with each row's adapter added to qkv and o, after their biases (as graph/lora.project
+        adds it to the module's output), before the q/k norms and the residual add."""
+        _attn_qkv(x, residual, has_residual, ln1, eps, wqkv, sqkv, bqkv, gqkv, vqkv, threads, h, qkv, res_out)
+        cpu_lora._lora_add(h, aqkv, bqkv_lora, sqkv_lora, bounds[0], token_slots, xa, qkv, threads)
+        _attn_core(k_cache, v_cache, eps, wo, so, bo, go, vo, heads, kv_heads, scale, window, qn, kn, qk_whole,
+                   clip, cos, sin, slots, tables, lens, threads, qkv, q3, attn3, attn, o)
+        cpu_lora._lora_add(attn, ao, bo_lora, so_lora, bounds[1], token_slots, xa, o, threads)
+        cpu_norm._add_rms_norm(o, res_out, ln2, eps, h, res_out, True)
 
     @njit(cache=True)
     def _layer(
@@ -181,6 +225,36 @@ if numba is not None:
             _add_bias(out, bd)
 
     @njit(cache=True)
+    def _lora_layer(
+        x, residual, has_residual, k_cache, v_cache,
+        ln1, ln2, eps, wqkv, sqkv, bqkv, gqkv, vqkv, wo, so, bo, go, vo, wgu, sgu, ggu, vgu,
+        wd, sd, bd, gd, vd, heads, kv_heads, scale, window, qn, kn, qk_whole, clip,
+        # the adapters (platform/cpu_layers.py): the step's token slots (filled every step), shrink
+        # scratch, the banks' segment bounds [4, segments + 1], then per projection (qkv, o,
+        # gate_up, down) the bank's A, B and scale (cpu_lora.NO_BANK: none), and the gate_up scratch
+        token_slots, xa, bounds, aqkv, bqkv_lora, sqkv_lora, ao, bo_lora, so_lora, agu, bgu, sgu_lora,
+        ad, bd_lora, sd_lora, gate_up,
+        cos, sin, slots, tables, lens, threads, h, qkv, q3, attn3, attn, o, act, out, res_out,
+    ):  # pragma: no cover - compiled
+        """_layer with each row's adapter on every projection that has a bank. With one on gate_up
+        the SwiGLU must see gate and up with their deltas: project into `gate_up`, add, then
+        silu(gate) * up (the eager MLP's unfused form when an adapter is active)."""
+        _attend_lora(x, residual, has_residual, k_cache, v_cache, ln1, ln2, eps, wqkv, sqkv, bqkv, gqkv, vqkv,
+                     wo, so, bo, go, vo, heads, kv_heads, scale, window, qn, kn, qk_whole, clip,
+                     token_slots, xa, bounds, aqkv, bqkv_lora, sqkv_lora, ao, bo_lora, so_lora,
+                     cos, sin, slots, tables, lens, threads, h, qkv, q3, attn3, attn, o, res_out)
+        if agu.shape[0]:
+            project(wgu, sgu, h, gate_up, ggu, vgu, threads)
+            cpu_lora._lora_add(h, agu, bgu, sgu_lora, bounds[2], token_slots, xa, gate_up, threads)
+            cpu_lora._silu_mul(gate_up, act, threads)
+        else:
+            project_swiglu(wgu, sgu, h, act, ggu, vgu, threads)
+        project(wd, sd, act, out, gd, vd, threads)
+        if bd.shape[0]:
+            _add_bias(out, bd)
+        cpu_lora._lora_add(act, ad, bd_lora, sd_lora, bounds[3], token_slots, xa, out, threads)
+
+    @njit(cache=True)
     def _moe_layer(
         x, residual, has_residual, k_cache, v_cache,
         ln1, ln2, eps, wqkv, sqkv, bqkv, gqkv, vqkv, wo, so, bo, go, vo, heads, kv_heads, scale, window,
@@ -191,6 +265,20 @@ if numba is not None:
         _attend(x, residual, has_residual, k_cache, v_cache, ln1, ln2, eps, wqkv, sqkv, bqkv, gqkv, vqkv,
                 wo, so, bo, go, vo, heads, kv_heads, scale, window, qn, kn, qk_whole, clip,
                 cos, sin, slots, tables, lens, threads, h, qkv, q3, attn3, attn, o, res_out)
+
+    @njit(cache=True)
+    def _moe_lora_layer(
+        x, residual, has_residual, k_cache, v_cache,
+        ln1, ln2, eps, wqkv, sqkv, bqkv, gqkv, vqkv, wo, so, bo, go, vo, heads, kv_heads, scale, window,
+        qn, kn, qk_whole, clip,
+        token_slots, xa, bounds, aqkv, bqkv_lora, sqkv_lora, ao, bo_lora, so_lora,
+        cos, sin, slots, tables, lens, threads, h, qkv, q3, attn3, attn, o, act, out, res_out,
+    ):  # pragma: no cover - compiled
+        """_moe_layer with adapters on its attention projections (the experts take none)."""
+        _attend_lora(x, residual, has_residual, k_cache, v_cache, ln1, ln2, eps, wqkv, sqkv, bqkv, gqkv, vqkv,
+                     wo, so, bo, go, vo, heads, kv_heads, scale, window, qn, kn, qk_whole, clip,
+                     token_slots, xa, bounds, aqkv, bqkv_lora, sqkv_lora, ao, bo_lora, so_lora,
+                     cos, sin, slots, tables, lens, threads, h, qkv, q3, attn3, attn, o, res_out)
 
     @njit(cache=True)
     def shared_expert(h, wgu, sgu, ggu, vgu, wd, sd, gd, vd, gate, act, ys, threads, out):  # pragma: no cover
@@ -206,7 +294,9 @@ if numba is not None:
                 out[r, c] += g * ys[r, c]
 
     llama_layer = _layer  # the Llama-shaped layer's run (decode_layers' calling convention)
+    lora_layer = _lora_layer  # the same with adapters (a step where some row has one)
     moe_attention = _moe_layer  # an MoE layer's attention half, same convention (out left untouched)
+    moe_attention_lora = _moe_lora_layer  # the same with adapters on its attention projections
 
 
 def uses_vnni(fmt: str, n_in: int, rows: int, group: int) -> bool:

@@ -20,10 +20,17 @@ is added: the caller held control and may have changed a weight), never per laye
 beside the final norm unless it has no kernel here (a vocabulary-parallel head) or `fused_head`
 is off (the planner's decode probe times the layers and the head apart). STRATA_FUSED_DECODE=0
 (strata/settings.py) turns the step off: the eager per-kernel path, e.g. to compare.
+
+LoRA: a step run inside `graph.lora.lora_batch(batch)` with some row on an adapter takes a second
+stack per row count, whose layers with banks add each row's adapter in the same compiled call
+(kernels/cpu_lora.py); the batch's token slots are copied into that stack's buffer every call. No
+batch (None): the plain stack, exactly as without banks. Banks attached after the first step are
+noticed on the next re-check (weights_may_have_changed).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import operator
 from collections.abc import Callable
@@ -33,6 +40,7 @@ import torch
 
 from strata.graph.decode_step import DecodeStep
 from strata.graph.layers import RMSNorm
+from strata.graph.lora import ACTIVE, LoRABatch
 from strata.graph.trace_gate import TRACE_GATE
 from strata.kernels import cpu_attention, cpu_decode_layer, cpu_gemv, cpu_quant
 from strata.kernels.attention import AttentionMetadata
@@ -65,12 +73,14 @@ class _Snapshot:
 
 
 class _Stack:
-    """Every layer's (run, args) for one row count, and which layers run eagerly."""
+    """Every layer's (run, args) for one row count, which layers run eagerly, and (a LoRA stack) the
+    token slots its LoRA layers read."""
 
-    def __init__(self, entries: tuple, eager: dict[int, str]) -> None:
+    def __init__(self, entries: tuple, eager: dict[int, str], lora: cpu_layers.LoRARows | None = None) -> None:
         self.entries = entries
         self.eager = eager  # layer index -> why it runs eagerly
         self.fused = len(entries) - len(eager)
+        self.lora = lora
 
 
 class _Buffers:
@@ -94,12 +104,16 @@ class _Buffers:
 class CpuDecodeStep(DecodeStep):
     """The fused CPU decode step of one model over its KV caches (owned by the engine's runner)."""
 
+    supports_lora = True  # the active LoRABatch's adapters run inside the fused layers
+
     def __init__(self, model, kv_caches: list[torch.Tensor], block_size: int, fused_head: bool = True) -> None:
         self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
         self.fused_head = fused_head
         self._buffers: dict[int, _Buffers] = {}
-        self._stacks: dict[int, _Stack | None] = {}
+        self._stacks: dict[tuple[int, bool], _Stack | None] = {}  # by (rows, with adapters)
         self._snapshot: _Snapshot | None = None
+        self._module_dicts: tuple = ()  # every layer module's _modules, and the banks they held
+        self._banks: list = []
         self._caches: tuple = ()
         self._recheck = True
         self._norm: tuple | None = None  # (weight, its address, the norm's args or None)
@@ -120,6 +134,7 @@ class CpuDecodeStep(DecodeStep):
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
         self._last = None
         model, rows = self.model, ids.shape[0]
+        batch = ACTIVE.get()
         if not (
             KERNEL_MODE.get().fast_paths and meta.num_prefill_tokens == 0 and meta.decode_block_tables is not None
             and meta.backend.name == "cpu" and cpu_decode_layer.available() and SETTINGS.fused_decode
@@ -128,9 +143,11 @@ class CpuDecodeStep(DecodeStep):
             and cpu_attention.reads_cache(self.kv_caches[0])  # fp32, bf16 or int8 (kv_cache_dtype) CPU cache
         ):
             return None
-        stack = self._stack(rows)
+        stack = self._stack(rows, batch is not None)
         if stack is None:
             return None
+        if batch is not None:
+            _fill_slots(stack.lora, batch)
         with TRACE_GATE.shared():  # module calls (the embedding, eager layers): no FX trace meanwhile
             x = model.embed_tokens(ids)
             if model.config.embed_scale is not None:  # as the model's forward
@@ -163,7 +180,12 @@ class CpuDecodeStep(DecodeStep):
         last = self._last
         if last is None or last[1].eager or last[4] is None:
             return None
+        batch = ACTIVE.get()
+        if (batch is not None) != (last[1].lora is not None):  # adapters on or off since: rebuild
+            return None
         buffers, stack, common, rope, tail, _, _, embed = last
+        if batch is not None:
+            _fill_slots(stack.lora, batch)
         if self._rows is None:  # the step's rows as numpy arrays of its own, moved in place
             p = self._positions.numpy().copy()
             self._rows = (p, self._meta.decode_block_tables.numpy(), np.empty_like(p), np.empty_like(p))
@@ -213,33 +235,46 @@ class CpuDecodeStep(DecodeStep):
             by_rows[rows] = None if p is None else (*p[1:], cpu_layers.vnni(p, rows))
         return by_rows[rows]
 
-    def _stack(self, rows: int) -> _Stack | None:
-        """Every layer's entry for a step of `rows`, or None when no layer fuses. The cache tensors
-        are compared every step; the parameters and buffers (all in place?) after
-        weights_may_have_changed only: that check reads ~300 tensors whose memory the step's weight
-        stream evicted from the caches, ~0.16 ms of a 6-8 ms smol-135m int8 step, and between two
-        steps of the engine's own loop nothing else runs that could change a weight."""
+    def _stack(self, rows: int, lora: bool = False) -> _Stack | None:
+        """Every layer's entry for a step of `rows` (`lora`: with adapters), or None when no layer
+        fuses. The cache tensors are compared every step; the parameters and buffers (all in place?)
+        and which modules carry LoRA banks after weights_may_have_changed only: that check reads ~300
+        tensors whose memory the step's weight stream evicted from the caches, ~0.16 ms of a 6-8 ms
+        smol-135m int8 step, and between two steps of the engine's own loop nothing else runs that
+        could change a weight."""
         layers, caches = self.model.layers, self.kv_caches
         if (self._snapshot is None or len(self._caches) != len(caches)
                 or not all(map(operator.is_, self._caches, caches))
-                or (self._recheck and not self._snapshot.unchanged())):
-            self._snapshot = _Snapshot(m for layer in layers for m in layer.modules())
+                or (self._recheck and (not self._snapshot.unchanged() or self._banks_changed()))):
+            modules = [m for layer in layers for m in layer.modules()]
+            self._snapshot = _Snapshot(modules)
+            self._module_dicts = tuple(m._modules for m in modules)
+            self._banks = self._banks_now()
             self._caches = tuple(caches)
             self._stacks = {}
         self._recheck = False
-        if rows not in self._stacks:
-            self._stacks[rows] = self._build_stack(rows)
-        return self._stacks[rows]
+        key = (rows, lora)
+        if key not in self._stacks:
+            self._stacks[key] = self._build_stack(rows, lora)
+        return self._stacks[key]
 
-    def _build_stack(self, rows: int) -> _Stack | None:
+    def _banks_now(self) -> list:
+        return list(map(dict.get, self._module_dicts, itertools.repeat("lora")))
+
+    def _banks_changed(self) -> bool:
+        """A LoRA bank attached, removed or replaced on some layer module (~5 us over ~400 modules)."""
+        return not all(map(operator.is_, self._banks_now(), self._banks))
+
+    def _build_stack(self, rows: int, lora: bool = False) -> _Stack | None:
         entries, eager = [], {}
+        slots = cpu_layers.LoRARows(rows) if lora else None
         for i, (layer, kv) in enumerate(zip(self.model.layers, self.kv_caches)):
-            entry = cpu_layers.build(layer, kv, rows)
+            entry = cpu_layers.build(layer, kv, rows, slots)
             if isinstance(entry, str):
                 eager[i] = entry
                 entry = (self._eager_layer(layer, kv), ())
             entries.append(entry)
-        stack = _Stack(tuple(entries), eager)
+        stack = _Stack(tuple(entries), eager, slots)
         self._log(stack)
         return stack if stack.fused else None
 
@@ -270,6 +305,21 @@ class CpuDecodeStep(DecodeStep):
             np.copyto(out, mlp.numpy())
 
         return run
+
+
+def _fill_slots(lora: cpu_layers.LoRARows, batch: LoRABatch) -> None:
+    """Copy the batch's token slots (one per row, in row order; -1: none) into the stack's buffer,
+    checked: a wrong count or a slot outside the banks would add another row's adapter, or read
+    outside them."""
+    rows = lora.rows
+    slots = batch.row_slots(rows)
+    if slots is None:
+        raise ValueError(f"LoRA batch: {len(batch.token_slots)} token slots for a decode step of {rows} rows; build "
+                         "it with LoRABatch.of(one slot per row, in the step's row order, -1 for none)")
+    if lora.slots is not None and rows and (slots.min() < -1 or slots.max() >= lora.slots):
+        raise ValueError(f"LoRA batch: token slots {np.asarray(slots).tolist()} outside -1 (no adapter) .. "
+                         f"{lora.slots - 1}: the banks hold {lora.slots} adapters (attach_banks slots=)")
+    np.copyto(lora.token_slots, slots)
 
 
 class EmbeddingLookup:

@@ -3,12 +3,15 @@
 A layer kind registers, for its module class, a builder
 
     @fused_layer(MyLayer)
-    def my_layer(layer, kv_cache, rows) -> tuple | str:
+    def my_layer(layer, kv_cache, rows, lora=None) -> tuple | str:
         ...
 
 that returns the layer's entry `(run, args)` for a decode step of `rows` rows, or a short reason
 (str) why this layer cannot run fused (it then runs eagerly, alone: the step's log says which
-layer and why). The step calls, for each layer in turn,
+layer and why). `lora` (a `LoRARows`) asks for the form that adds each row's LoRA adapter where
+the layer's projections carry banks (graph/lora.py), for the steps where some row has one; a
+builder without the parameter is asked only for layers without banks (one with banks then runs
+eagerly, which applies them). The step calls, for each layer in turn,
 
     run(x, residual, has_residual, *args, *step)
 
@@ -25,6 +28,7 @@ eagerly, with a log line naming its class.
 
 from __future__ import annotations
 
+import inspect
 import weakref
 from collections.abc import Callable
 
@@ -32,12 +36,13 @@ import numpy as np
 import torch
 
 from strata.graph.layers import Linear, RMSNorm
+from strata.graph.lora import LoRABank
 from strata.graph.models.llama import DecoderLayer, MoEDecoderLayer
 from strata.graph.moe import MoEBlock
-from strata.kernels import cpu_attention, cpu_decode_layer, cpu_moe
+from strata.kernels import cpu_attention, cpu_decode_layer, cpu_lora, cpu_moe
 from strata.kernels.cpu_decode_layer import NO_ARRAY, uses_vnni
 
-Builder = Callable[[torch.nn.Module, torch.Tensor, int], "tuple | str"]
+Builder = Callable[..., "tuple | str"]
 _BUILDERS: dict[type, Builder] = {}
 
 
@@ -51,12 +56,95 @@ def fused_layer(cls: type) -> Callable[[Builder], Builder]:
     return register
 
 
-def build(layer: torch.nn.Module, kv_cache: torch.Tensor, rows: int) -> tuple | str:
-    """The layer's (run, args) for a step of `rows`, or why it runs eagerly."""
+def build(layer: torch.nn.Module, kv_cache: torch.Tensor, rows: int, lora: LoRARows | None = None) -> tuple | str:
+    """The layer's (run, args) for a step of `rows` (`lora`: with its adapters), or why it runs eagerly."""
     builder = _BUILDERS.get(type(layer))
     if builder is None:
         return f"{type(layer).__name__} has no fused form"
-    return builder(layer, kv_cache, rows)
+    if lora is None or not has_banks(layer):
+        return builder(layer, kv_cache, rows)
+    if "lora" not in inspect.signature(builder).parameters:
+        return f"LoRA banks on a {type(layer).__name__}, whose fused form takes none"
+    return builder(layer, kv_cache, rows, lora=lora)
+
+
+def has_banks(layer: torch.nn.Module) -> bool:
+    """Whether any module of `layer` carries a LoRA bank (graph/lora.py)."""
+    return any(m._modules.get("lora") is not None for m in layer.modules())
+
+
+class LoRARows:
+    """One row count's adapter slots, shared by every LoRA layer of the step: `token_slots` [rows]
+    int64 (-1: no adapter), which the step fills before each step, `slots` the fewest adapters a bank
+    of a fused layer holds (the step checks the token slots against it), and the scratch the layers
+    share (they run one after another)."""
+
+    def __init__(self, rows: int) -> None:
+        self.rows = rows
+        self.token_slots = np.full(rows, -1, np.int64)
+        self.slots: int | None = None
+        self._scratch: dict[tuple[str, int], np.ndarray] = {}
+
+    def scratch(self, kind: str, cols: int) -> np.ndarray:
+        """A [rows, cols] fp32 buffer for `kind` ("xa": shrink outputs; "gate_up"), one per width."""
+        key = (kind, cols)
+        if key not in self._scratch:
+            self._scratch[key] = np.empty((self.rows, cols), np.float32)
+        return self._scratch[key]
+
+
+def bank_args(m, lora: LoRARows, out_features: int, in_features: int) -> tuple | None | str:
+    """(A, B, scale, segment bounds) numpy views of `m`'s LoRA bank for cpu_lora._lora_add, None when
+    `m` has none, or why the kernels cannot apply it (the layer then runs eagerly)."""
+    bank = m._modules.get("lora")
+    if bank is None:
+        return None
+    if type(bank) is not LoRABank:
+        return f"a LoRA bank of another kind ({type(bank).__name__})"
+    a, b, scale = bank.lora_a, bank.lora_b, bank.scale
+    if (a.dtype not in (torch.float32, torch.bfloat16) or b.dtype is not a.dtype or scale.dtype is not torch.float32
+            or any(not t.is_cpu or not t.is_contiguous() for t in (a, b, scale))):
+        return "a LoRA bank not plain fp32 or bf16 on CPU"
+    if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
+        return "a trainable LoRA bank"
+    if bank.dropout and bank.training:
+        return "LoRA dropout in training mode"
+    segs, rank = bank.segments, bank.rank
+    slots = a.shape[0]
+    if (a.shape != (slots, len(segs) * rank, in_features) or b.shape != (slots, out_features, rank)
+            or scale.shape != (slots, len(segs)) or segs[0][0] != 0 or segs[-1][1] != out_features
+            or any(hi0 != lo1 for (_, hi0), (lo1, _) in zip(segs, segs[1:]))):
+        return "a LoRA bank whose shapes do not fit its projection"
+    if slots == 0 or rank == 0:
+        return None
+    lora.slots = slots if lora.slots is None else min(lora.slots, slots)
+    return cpu_lora.bank_arrays(a), cpu_lora.bank_arrays(b), scale.numpy(), cpu_lora.bounds_of(segs)
+
+
+def _lora_args(lora: LoRARows, modules_parts) -> tuple | None | str:
+    """The LoRA layers' arguments for (module, projection) pairs in the kernel's order: (token slots,
+    xa scratch, bounds [n, segments + 1], then A, B, scale per module (cpu_lora.NO_BANK: none)), None
+    when no module has a bank, or why one cannot run fused."""
+    banks = []
+    for m, p in modules_parts:
+        fmt, w = p[0], p[1]
+        got = bank_args(m, lora, w.shape[0], w.shape[1] * (2 if fmt == "int4" else 1))
+        if isinstance(got, str):
+            return got
+        banks.append(got)
+    if all(b is None for b in banks):
+        return None
+    width = max(len(b[3]) for b in banks if b is not None)
+    bounds = np.zeros((len(banks), width), np.int64)
+    xa = lora.scratch("xa", max(b[0].shape[1] for b in banks if b is not None))
+    per = []
+    for i, got in enumerate(banks):
+        if got is None:
+            per += (cpu_lora.NO_BANK, cpu_lora.NO_BANK, cpu_lora.NO_SCALE)
+        else:
+            bounds[i, : len(got[3])] = got[3]
+            per += got[:3]
+    return (lora.token_slots, xa, bounds, *per)
 
 
 def projection(m) -> tuple[str, np.ndarray, np.ndarray, np.ndarray, int] | None:
@@ -138,9 +226,10 @@ def _mlp_parts(mlp) -> tuple | str:
 
 
 @fused_layer(DecoderLayer)
-def llama_layer(layer: DecoderLayer, kv_cache: torch.Tensor, rows: int) -> tuple | str:
+def llama_layer(layer: DecoderLayer, kv_cache: torch.Tensor, rows: int, lora: LoRARows | None = None) -> tuple | str:
     """Llama, Mistral, Qwen2, Qwen3, Phi-3: norm, qkv (+ bias, + q/k norms), rotary + KV write,
-    paged attention, o, norm, SwiGLU, down, in one compiled call; fp32, bf16, int8 and int4."""
+    paged attention, o, norm, SwiGLU, down, in one compiled call; fp32, bf16, int8 and int4. With
+    `lora` and a bank on some projection: the same with each row's adapter added (lora_layer)."""
     attention = _attention_args(layer, kv_cache, rows)
     if isinstance(attention, str):
         return attention
@@ -151,7 +240,18 @@ def llama_layer(layer: DecoderLayer, kv_cache: torch.Tensor, rows: int) -> tuple
     (_, wg, sg, _, gg), (_, wd, sd, bd, gd) = mlp
     ffn = (wg, sg, gg, vnni(mlp[0], rows), wd, sd, bd, gd, vnni(mlp[1], rows))
     # _layer's order: norms and the attention projections, the MLP's, then shape and q/k norms
-    return cpu_decode_layer.llama_layer, (*views, *own[:13], *ffn, *own[13:])
+    args = (*views, *own[:13], *ffn, *own[13:])
+    if lora is None:
+        return cpu_decode_layer.llama_layer, args
+    attn, mlp_m = layer.self_attn, layer.mlp
+    parts = [projection(m) for m in (attn.qkv_proj, attn.o_proj)] + list(mlp)
+    banks = _lora_args(lora, zip((attn.qkv_proj, attn.o_proj, mlp_m.gate_up_proj, mlp_m.down_proj), parts))
+    if banks is None:
+        return cpu_decode_layer.llama_layer, args
+    if isinstance(banks, str):
+        return banks
+    gate_up = lora.scratch("gate_up", mlp[0][1].shape[0]) if banks[9].shape[0] else np.empty((0, 0), np.float32)
+    return cpu_decode_layer.lora_layer, (*args, *banks, gate_up)
 
 
 class _Experts:
@@ -195,6 +295,16 @@ def _moe_run(x, residual, has_residual, attention, block, router, experts, share
     the block's own Router, so ties break as the eager block breaks them), the routed experts,
     then the shared expert where there is one."""
     cpu_decode_layer.moe_attention(x, residual, has_residual, *attention, *step)
+    _moe_mlp(block, router, experts, shared, step)
+
+
+def _moe_lora_run(x, residual, has_residual, attention, banks, block, router, experts, shared, *step):
+    """_moe_run with each row's adapter on the attention projections."""
+    cpu_decode_layer.moe_attention_lora(x, residual, has_residual, *attention, *banks, *step)
+    _moe_mlp(block, router, experts, shared, step)
+
+
+def _moe_mlp(block, router, experts, shared, step) -> None:
     h, threads, out = step[6], step[5], step[-2]
     weight, top_k, norm, ids, weights = router
     rows = h.shape[0]
@@ -208,15 +318,24 @@ def _moe_run(x, residual, has_residual, attention, block, router, experts, share
 
 
 @fused_layer(MoEDecoderLayer)
-def moe_layer(layer: MoEDecoderLayer, kv_cache: torch.Tensor, rows: int) -> tuple | str:
+def moe_layer(layer: MoEDecoderLayer, kv_cache: torch.Tensor, rows: int, lora: LoRARows | None = None) -> tuple | str:
     """Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE: the attention half compiled as the Llama layer's, the
-    routed experts gathered by expert id (only the experts some row picked are read)."""
+    routed experts gathered by expert id (only the experts some row picked are read). With `lora`:
+    each row's adapter on the attention projections (the experts take none)."""
     attention = _attention_args(layer, kv_cache, rows)
     if isinstance(attention, str):
         return attention
     block = layer.mlp
     if not isinstance(block, MoEBlock):
         return "expert-parallel experts (their all-to-alls run in the eager layer)"
+    banks = None
+    if lora is not None:
+        if has_banks(block):
+            return "LoRA banks on MoE experts"
+        attn = layer.self_attn
+        banks = _lora_args(lora, ((m, projection(m)) for m in (attn.qkv_proj, attn.o_proj)))
+        if isinstance(banks, str):
+            return banks
     experts = _Experts.of(block.experts, rows)
     if isinstance(experts, str):
         return experts
@@ -240,4 +359,7 @@ def moe_layer(layer: MoEDecoderLayer, kv_cache: torch.Tensor, rows: int) -> tupl
                   np.empty((rows, block.shared_expert.intermediate), np.float32), np.empty((rows, hidden), np.float32))
     views, own = attention
     counts = block.token_counts.numpy() if block.token_counts.is_cpu else np.zeros(block.num_experts, np.int64)
-    return _moe_run, ((*views, *own), block, router, (*experts, *scratch, counts), shared)
+    rest = (block, router, (*experts, *scratch, counts), shared)
+    if banks is None:
+        return _moe_run, ((*views, *own), *rest)
+    return _moe_lora_run, ((*views, *own), banks, *rest)

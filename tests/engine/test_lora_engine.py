@@ -12,6 +12,7 @@ import torch
 from conftest import ALL_FAMILIES, EOS_ID, MOE_FAMILIES, make_llm, random_prompt
 
 from strata import LoRARequest, SamplingParams
+from strata.errors import ConfigError
 from strata.graph.loader import load_model
 from strata.graph.lora import LoRABatch, lora_batch
 from strata.graph.lora_adapter import attach_banks, read_adapter
@@ -103,6 +104,33 @@ def test_mixed_batch_equals_alone(llama, adapters, engine_clean):
             outs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
             assert [o.outputs[0].token_ids for o in outs] == alone, kw
             engine_clean(llm)
+
+
+def test_bf16_adapters(llama, adapters):
+    """lora_dtype: auto keeps fp32 banks over an fp32 base and stores them bf16 over an int8 one; bf16
+    banks give a mixed batch each request's tokens alone and logits near the fp32 banks'."""
+    (pa, _), (pb, _) = adapters("llama", "A"), adapters("llama", "B")
+    a, b = LoRARequest("A", 1, str(pa)), LoRARequest("B", 2, str(pb))
+    prompts = [random_prompt(50 + i, 12 + 5 * i) for i in range(4)]
+    loras = [None, a, b, a]
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=1)
+    with make_llm(llama, enable_lora=True, max_loras=2) as llm:
+        assert llm.engine.lora.banks[0].lora_a.dtype == torch.float32
+        fp32 = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
+    with make_llm(llama, enable_lora=True, max_loras=2, quantization="int8") as llm:
+        assert llm.engine.lora.banks[0].lora_a.dtype == torch.bfloat16
+    with make_llm(llama, enable_lora=True, max_loras=2, lora_dtype="bfloat16") as llm:
+        assert all(bank.lora_b.dtype == torch.bfloat16 for bank in llm.engine.lora.banks)
+        mixed = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
+        for p, lora, out in zip(prompts, loras, mixed):
+            alone = llm.generate([p], params, use_tqdm=False, lora_request=lora)[0].outputs[0]
+            assert alone.token_ids == out.outputs[0].token_ids
+    first = [(o.outputs[0].logprobs[0], m.outputs[0].logprobs[0]) for o, m in zip(fp32, mixed)]
+    for want, got in first:  # the first token's logprob: bf16 weights' rounding only
+        tok = max(want, key=want.get)
+        assert tok in got and abs(got[tok] - want[tok]) < 5e-2
+    with pytest.raises(ConfigError, match="float16 is not supported on CPU; use bfloat16"):
+        make_llm(llama, enable_lora=True, lora_dtype="float16")
 
 
 @pytest.mark.parametrize("storage", ["bf16", "int8", "int4"])
