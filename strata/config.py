@@ -142,9 +142,6 @@ class EngineConfig:
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ConfigError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras}): "
                               "the adapters of a batch are read on the host first")
-        if self.enable_lora and self.tensor_parallel_size != 1:
-            raise ConfigError("enable_lora does not support tensor parallelism yet (the adapters' A/B are not "
-                              "sharded); use --tensor-parallel-size 1")
         if self.enable_lora and (self.fuse or self.compile or self.cuda_graphs):
             raise ConfigError("enable_lora does not support --fuse / --compile / CUDA graphs yet (the traced or "
                               "captured step has no adapter inputs); drop one of them")

@@ -43,6 +43,26 @@ def test_generate_batch_jsonl(tmp_path, capsys):
     assert again[2]["outputs"][0]["token_ids"] == results[2]["outputs"][0]["token_ids"]
 
 
+def test_generate_with_a_lora_adapter(capsys, tmp_path):
+    """--lora DIR: the adapter's tokens (those LLM.generate gives with it), not the base's; a
+    directory that is not an adapter is a clear error."""
+    from strata import LLM, LoRARequest, SamplingParams
+    from strata.demo.lora import sonnets
+
+    adapter = str(sonnets.ADAPTER_DIR)
+    args = ["generate", "--prompt", "Shall I compare thee", "--max-tokens", "12", "--dtype", "float32"]
+    assert main([*args, "--lora", adapter]) == 0
+    with_lora = capsys.readouterr().out
+    assert main(args) == 0
+    base = capsys.readouterr().out
+    with LLM(dtype="float32", enable_lora=True) as llm:
+        want = llm.generate(["Shall I compare thee"], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False,
+                            lora_request=LoRARequest("sonnets", 1, adapter))[0].outputs[0].text
+    assert with_lora.rstrip("\n") == "Shall I compare thee" + want and with_lora != base
+    assert main([*args, "--lora", str(tmp_path)]) == 2
+    assert "adapter_config.json" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from strata.analyze.analyze_lora import lora_summary
 from strata.analyze.analyze_moe import ExpertLoad, expert_load
 from strata.analyze.analyze_run import (
     PROFILE_EVERY,
@@ -78,6 +79,7 @@ class Analysis:
     ttft_s: list[float]
     tpot_s: list[float]
     experts: ExpertLoad | None = None  # MoE models: hot experts and load imbalance of the run
+    lora: dict[str, Any] | None = None  # --lora-adapters: analyze_lora.lora_summary
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -117,6 +119,9 @@ def analyze_engine(engine, w: Workload, profile=None, progress=None) -> Analysis
     m = run_offline(engine, w, progress=progress is not None)
     say("attributing the time and comparing each phase with the planner")
     cats = attribute(m)
+    if w.lora_adapters:
+        say("timing the adapters on the decode probe's model (their share inside the fused layers)")
+    lora = lora_summary(engine, m, cats, w.lora_adapters)
     ph = phases(m, shape, dev)
     layers: dict[str, float] = {}
     for cat, secs in cats.items():
@@ -138,5 +143,5 @@ def analyze_engine(engine, w: Workload, profile=None, progress=None) -> Analysis
         phases=ph, top_ops=m.top_ops, requests=reqs, verdict=verdict(m, cats, ph, ctx),
         device={"name": dev.name, "mem_gbs": dev.mem_gbs, "stream_gbs": dev.stream_gbs,
                 "few_rows_gflops": dev.few_rows_gflops, "gemm_gflops": dev.gemm_gflops, "few_rows": dev.few_rows},
-        ttft_s=ttft, tpot_s=tpot, experts=expert_load(engine.expert_token_counts()),
+        ttft_s=ttft, tpot_s=tpot, experts=expert_load(engine.expert_token_counts()), lora=lora,
     )

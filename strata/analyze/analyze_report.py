@@ -7,6 +7,7 @@ import html
 import math
 
 from strata.analyze.analyze import CATEGORY_LABELS, Analysis
+from strata.analyze.analyze_lora import format_text as lora_lines
 from strata.analyze.analyze_moe import format_lines as expert_lines
 from strata.planner import charts
 
@@ -40,6 +41,7 @@ def format_text(a: Analysis) -> str:
             f"TTFT p50 {_ms(r['ttft_p50_s'])} p99 {_ms(r['ttft_p99_s'])}; "
             f"TPOT p50 {_ms(r['tpot_p50_s'])} p99 {_ms(r['tpot_p99_s'])}"]
     out += expert_lines(a.experts)
+    out += lora_lines(a.lora, a.wall_s)
     v = a.verdict
     out += ["", f"verdict: limited by {v.layer}", f"  {v.evidence}"]
     for i, act in enumerate(v.actions, 1):

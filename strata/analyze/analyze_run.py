@@ -17,6 +17,9 @@ import numpy as np
 import torch
 
 from strata.bench.common import random_prompts, special_ids
+from strata.bench.lora import write_adapters
+from strata.errors import ConfigError
+from strata.graph.lora import LORA_RANGE
 from strata.kernels.profile import named_kernels, quiet_profile
 from strata.protocol.sampling_params import SamplingParams
 from strata.server.tokenizer_worker import tokenize
@@ -25,6 +28,9 @@ PROFILE_EVERY = 8  # one profiled step in this many (the profiler's per-operator
 
 # operator name fragments -> category (first match wins; names are lower-cased)
 OP_CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (  # first match wins
+    # LoRA adapters' shrink + expand (graph/lora.py's strata::lora range, the eager path's kernel);
+    # the ops inside a strata::lora range are moved here too (lora_inside)
+    ("lora", (LORA_RANGE, "lora_add")),
     ("communication", ("c10d::", "gloo:", "nccl:", "allreduce", "all_reduce", "allgather", "all_gather",
                        "strata::comm")),
     # the CPU decode step's one-call layers (kernels/cpu_decode_layer.py): GEMVs, attention and
@@ -41,6 +47,23 @@ OP_CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (  # first match wins
 )
 
 
+def lora_inside(events) -> tuple[float, dict[str, float]]:
+    """(seconds inside strata::lora ranges, the self seconds of the operators under them by category):
+    an adapter's GEMMs and copies are LoRA's time, not the base model's."""
+    total, inside = 0.0, {}
+    for ev in events:
+        if ev.name != LORA_RANGE:
+            continue
+        total += ev.cpu_time_total / 1e6
+        stack = list(ev.cpu_children)
+        while stack:
+            child = stack.pop()
+            stack += child.cpu_children
+            cat = classify(child.name)
+            inside[cat] = inside.get(cat, 0.0) + child.self_cpu_time_total / 1e6
+    return total, inside
+
+
 def classify(op_name: str) -> str:
     name = op_name.lower()
     for category, fragments in OP_CATEGORIES:
@@ -55,6 +78,7 @@ class Workload:
     input_len: tuple[int, int] = (128, 128)
     output_len: tuple[int, int] = (64, 64)
     seed: int = 0
+    lora_adapters: int = 0  # requests take this many random adapters round robin (0: none)
 
 
 @dataclass
@@ -110,6 +134,19 @@ def _prompts(engine, w: Workload) -> list[tuple[str | None, list[int]]]:
     return out
 
 
+def _adapters(engine, w: Workload) -> list:
+    """w.lora_adapters random adapters (rank max_lora_rank on every linear, bench lora's), known to
+    the engine; none without."""
+    if not w.lora_adapters:
+        return []
+    if engine.lora is None:
+        raise ConfigError("--lora-adapters needs an engine with --enable-lora")
+    loras = write_adapters(engine, w.lora_adapters, engine.config.max_lora_rank, "all", w.seed)
+    for lora in loras:
+        engine.add_lora(lora)
+    return loras
+
+
 def run_offline(engine, w: Workload, progress: bool = False) -> Measurement:
     """All requests arrive at once; the engine steps until they finish, instrumented.
     progress: a bar of finished requests on stderr (its updates are outside the timed steps)."""
@@ -118,6 +155,7 @@ def run_offline(engine, w: Workload, progress: bool = False) -> Measurement:
     rng = np.random.default_rng(w.seed + 1)
     outs = rng.integers(w.output_len[0], w.output_len[1] + 1, size=w.num_prompts).tolist()
     prompts = _prompts(engine, w)
+    loras = _adapters(engine, w)
     t_start = time.perf_counter()
     tok_times, rids = [], []
     for i, ((text, ids), n_out) in enumerate(zip(prompts, outs)):
@@ -126,9 +164,10 @@ def run_offline(engine, w: Workload, progress: bool = False) -> Measurement:
             ids = tokenize(engine.tokenizer, {"kind": "text", "text": text, "add_special_tokens": False})
         tok_times.append(time.perf_counter() - t0)
         params = SamplingParams(temperature=0.0, max_tokens=n_out, ignore_eos=True)
-        engine.validate(i, ids, params)
+        lora = loras[i % len(loras)] if loras else None
+        engine.validate(i, ids, params, lora_request=lora)
         rid = f"analyze-{i}"
-        engine.add_request(rid, text, ids, params)
+        engine.add_request(rid, text, ids, params, lora_request=lora)
         rids.append(rid)
     tokenize_s = sum(tok_times)
     steps, finished = [], {}
@@ -168,12 +207,19 @@ def run_offline(engine, w: Workload, progress: bool = False) -> Measurement:
             prof.__exit__(None, None, None)
             named.__exit__(None, None, None)
             op_forward[kind] += rec.forward_s
+            cats = op_seconds[kind]
             for ev in prof_result.key_averages():
                 secs = ev.self_cpu_time_total / 1e6
                 if secs > 0:
                     cat = classify(ev.key)
-                    op_seconds[kind][cat] = op_seconds[kind].get(cat, 0.0) + secs
+                    cats[cat] = cats.get(cat, 0.0) + secs
                     op_totals[ev.key] = op_totals.get(ev.key, 0.0) + secs
+            if loras:  # the adapters' ranges
+                _, inside = lora_inside(prof_result.events())
+                for cat, secs in inside.items():  # the adapters' own ops, out of the base's categories
+                    moved = min(secs, cats.get(cat, 0.0))
+                    cats[cat] = cats.get(cat, 0.0) - moved
+                    cats["lora"] = cats.get("lora", 0.0) + moved
             profiler_s += time.perf_counter() - t0
         max_running = max(max_running, len(engine.scheduler.running))
         for o in outputs:

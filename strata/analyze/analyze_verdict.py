@@ -28,11 +28,13 @@ CATEGORY_LABELS = {
     "norm_elementwise": "norm + elementwise", "other_ops": "other operators", "memory": "KV writes + copies",
     "communication": "communication", "idle": "idle",
     "decoder_layer": "fused decoder layers (GEMV + attention + norms)",
+    "lora": "LoRA adapters (shrink + expand)",
 }
 LAYER_OF = {
     "tokenize": "CPU pipeline", "schedule": "CPU pipeline", "sample": "CPU pipeline", "overhead": "CPU pipeline",
     "gemm": "compute", "attention": "compute", "norm_elementwise": "compute", "other_ops": "compute",
     "memory": "memory traffic", "communication": "communication", "idle": "idle", "decoder_layer": "compute",
+    "lora": "compute",
 }
 
 

@@ -32,6 +32,7 @@ EPILOG = """examples:
   strata analyze --random-model smol-135m --dtype float32 --num-prompts 1 --input-len 16 --output-len 64
   strata analyze --random-model smol-135m --dtype float32 --num-prompts 1 --input-len 512 --output-len 1
   strata analyze --model ./qwen --num-prompts 32 --max-num-seqs 4 --html report.html
+  strata analyze --random-model smol-135m --dtype float32 --num-prompts 32 --lora-adapters 16
 """
 
 
@@ -48,6 +49,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--input-len", default="128", help="prompt tokens, N or A:B (default 128)")
     g.add_argument("--output-len", default="64", help="output tokens, N or A:B (default 64)")
     g.add_argument("--seed", type=int, default=0, help="seed for lengths and token ids")
+    g.add_argument("--lora-adapters", type=int, default=0, metavar="N",
+                   help="offline: requests take N random LoRA adapters round robin (rank --max-lora-rank, every "
+                   "linear; implies --enable-lora and --max-loras >= N); the report gives LoRA's share (default 0)")
     p.add_argument("--html", default=None, help="also write a self-contained HTML report here")
 
 
@@ -98,7 +102,12 @@ def run(args: argparse.Namespace) -> int:
     if args.workload == "serve":
         return cmd_analyze_serve(args)
     w = Workload(args.num_prompts, parse_range(args.input_len, "--input-len"),
-                 parse_range(args.output_len, "--output-len"), args.seed)
+                 parse_range(args.output_len, "--output-len"), args.seed, args.lora_adapters)
+    if args.lora_adapters < 0:
+        raise StrataError(f"--lora-adapters: must be >= 0, got {args.lora_adapters}")
+    if args.lora_adapters:  # the engine flags the workload needs
+        args.enable_lora = True
+        args.max_loras = max(args.max_loras or 1, args.lora_adapters)
     def say(msg: str) -> None:
         print(f"strata analyze: {msg} ...", file=sys.stderr, flush=True)
 

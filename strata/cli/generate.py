@@ -14,6 +14,7 @@ from strata.engine.args import EngineArgs
 from strata.engine.llm import LLM
 from strata.errors import StrataError
 from strata.graph.fusion import PATTERNS, expected_counts
+from strata.protocol.lora import LoRARequest
 from strata.protocol.sampling_params import SamplingParams
 
 NAME = "generate"
@@ -25,6 +26,7 @@ EPILOG = """examples:
   strata generate --model ./qwen --input prompts.jsonl --output results.jsonl --max-tokens 128
     (prompts.jsonl: one JSON object per line with "prompt" (text) or "prompt_token_ids",
      optionally per-request sampling fields such as "max_tokens" or "temperature")
+  strata generate --prompt "Shall I compare thee" --lora strata/demo/lora/sonnets   # with a LoRA adapter
 """
 
 
@@ -32,6 +34,9 @@ def add_arguments(g: argparse.ArgumentParser) -> None:
     g.add_argument("--prompt", default=None, help="one prompt; tokens stream to the terminal")
     g.add_argument("--input", default=None, help="JSONL file of prompts (batch mode, progress bar)")
     g.add_argument("--output", default=None, help="JSONL results file for --input (default: stdout)")
+    g.add_argument("--lora", default=None, metavar="DIR",
+                   help="generate with this PEFT LoRA adapter (a directory with adapter_config.json and "
+                   "adapter_model.safetensors; implies --enable-lora)")
     g.add_argument("--print-fusions", action="store_true",
                    help="print how many of each FX fusion pattern were rewritten (turns on --fuse unless "
                    "--no-fuse)")
@@ -78,13 +83,13 @@ def sampling_from_args(args: argparse.Namespace, llm, overrides: dict | None = N
     return SamplingParams(**{"temperature": 0.0, **llm.engine.generation_defaults, **kw})
 
 
-def _stream(llm, prompt: str, params) -> None:
+def _stream(llm, prompt: str, params, lora=None) -> None:
     """Print tokens as they are produced (n = 1), then a timing line on stderr."""
     engine = llm.engine
     ids = engine.encode(prompt)
-    engine.validate(0, ids, params)
+    engine.validate(0, ids, params, lora_request=lora)
     rid = "cli-0"
-    engine.add_request(rid, prompt, ids, params)
+    engine.add_request(rid, prompt, ids, params, lora_request=lora)
     shown = 0
     print(prompt, end="", flush=True)
     out = None
@@ -162,6 +167,10 @@ def run(args: argparse.Namespace) -> int:
     kwargs = engine_args.config_kwargs()
     if args.print_fusions and kwargs.get("fuse") is None:
         kwargs["fuse"] = True
+    lora = None
+    if args.lora is not None:
+        kwargs["enable_lora"] = True
+        lora = LoRARequest(Path(args.lora).name or "adapter", 1, args.lora)
     note = _model_note(engine_args)
     if note:
         print(note, file=sys.stderr)
@@ -171,17 +180,17 @@ def run(args: argparse.Namespace) -> int:
     if args.prompt is not None:
         params = sampling_from_args(args, llm)
         if params.n != 1:
-            outs = llm.generate([args.prompt], params, use_tqdm=False)
+            outs = llm.generate([args.prompt], params, use_tqdm=False, lora_request=lora)
             for c in outs[0].outputs:
                 print(f"--- completion {c.index} ({c.finish_reason})\n{args.prompt}{c.text}")
         else:
-            _stream(llm, args.prompt, params)
+            _stream(llm, args.prompt, params, lora)
         return 0
     rows = _read_jsonl(Path(args.input))
     prompts = [{k: r[k] for k in ("prompt", "prompt_token_ids") if k in r} for r in rows]
     params = [sampling_from_args(args, llm, r) for r in rows]
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, params)
+    outs = llm.generate(prompts, params, lora_request=lora)
     elapsed = time.perf_counter() - t0
     sink = open(args.output, "w") if args.output else sys.stdout  # noqa: SIM115
     try:

@@ -424,8 +424,9 @@ def _build(config: EngineConfig, ckpt: Checkpoint, detokenize: bool, threads: in
     platform.prepare_model(model, config)
     lora = None
     if config.enable_lora:  # the adapters' banks count in the weights the KV plan leaves room for
+        # tensor parallelism: the banks are the shard's; ranks > 0 follow rank 0's slots
         lora = LoRAManager(model, config.max_loras, config.max_lora_rank, config.max_cpu_loras, str(ckpt.path),
-                           lora_dtype(config.lora_dtype, model))
+                           lora_dtype(config.lora_dtype, model), follower=ranks is not None and ranks.rank != 0)
     # the loaded model's own bytes: a GGUF's or a prequantized checkpoint's layouts are not the
     # estimate's (memory/planner.weight_bytes counts --quantization's)
     plan, blocks, kv_caches = kv_memory(config, rank_cfg, dtype, max_len, agree, model_weight_bytes(model))

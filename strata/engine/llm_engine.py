@@ -327,7 +327,7 @@ class LLMEngine:
             # a local rank that died while the engine idled is named now, not left to the next
             # collective to notice (the plan broadcast's wait is not bounded: see parallel.py)
             self.ranks.check_alive()
-            self._control.broadcast_bytes(encode_step(out))
+            self._control.broadcast_bytes(encode_step(out, self.lora))
             return self.runner.execute(out)
         except RankDied as dead:
             failed = RankDied(f"{dead}; the engine cannot continue")

@@ -7,6 +7,12 @@ loading one keeps stepping; a request whose adapter is still being read waits in
 (`ready`). Putting an adapter into a slot is a copy of its host tensors into the banks, done by the
 runner when a step needs it; the scheduler keeps the running requests to at most `max_loras`
 adapters, so a step's adapters always have slots.
+
+Tensor parallelism: rank 0's manager decides every slot (its LRU is the only one). `step_plan`
+gives the step plan (engine/parallel.py) the slots that changed since the last plan, as (slot,
+adapter id, name, path), and the adapters retired; a follower (ranks > 0) `follow`s them before
+the step, reading each adapter from its path onto its own shard (graph/lora_adapter.py slices it),
+and its `slots_for` only looks the slots up.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from strata.errors import StrataError
 from strata.graph.lora_adapter import AdapterWeights, Site, attach_banks, read_adapter
 from strata.protocol.lora import LoRAError, LoRARequest
 
@@ -26,8 +33,10 @@ logger = logging.getLogger(__name__)
 
 class LoRAManager:
     def __init__(self, model, max_loras: int, max_lora_rank: int, max_cpu_loras: int | None,
-                 base_name: str | None = None, dtype: torch.dtype = torch.float32) -> None:
+                 base_name: str | None = None, dtype: torch.dtype = torch.float32, follower: bool = False) -> None:
+        """follower: a tensor-parallel rank > 0, whose slots rank 0's step plans set (`follow`)."""
         self.model, self.max_loras, self.max_rank = model, max_loras, max_lora_rank
+        self.follower = follower
         self.max_cpu_loras = max_cpu_loras or max_loras
         self.base_name = base_name
         self.sites: dict[str, Site] = attach_banks(model, max_loras, max_lora_rank, dtype=dtype)
@@ -41,6 +50,11 @@ class LoRAManager:
         self._slots: list[int | None] = [None] * max_loras  # slot -> lora_int_id
         self._slot_use: list[int] = [0] * max_loras  # step counter of last use (LRU among slots)
         self._clock = 0
+        # tensor parallelism, rank 0: what the other ranks were last told of each slot
+        self._slot_gen: list[int] = [0] * max_loras  # bumped whenever a slot's content changes
+        self._sent: list[tuple[int | None, int]] = [(None, 0)] * max_loras
+        self._dropped: list[int] = []  # retired since the last plan: the followers drop their copies
+        self._planning = False  # step_plan called: a leader whose followers need `_dropped`
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="strata-lora-read")
 
     def close(self) -> None:
@@ -128,8 +142,12 @@ class LoRAManager:
             for lid in [i for i in self._retired if i not in in_use]:
                 del self._retired[lid]
                 self._host.pop(lid, None)
+                if self._planning:
+                    self._dropped.append(lid)
                 if lid in self._slots:
-                    self._slots[self._slots.index(lid)] = None
+                    slot = self._slots.index(lid)
+                    self._slots[slot] = None
+                    self._slot_gen[slot] += 1
 
     def list(self) -> list[LoRARequest]:
         with self._lock:
@@ -153,7 +171,10 @@ class LoRAManager:
     # --- slots -----------------------------------------------------------------------------------
     def slots_for(self, lora_ids: set[int], keep: set[int]) -> dict[int, int]:
         """A slot for each adapter of this step (loading those not in one), evicting only adapters
-        outside `keep` (the running requests' adapters); {lora_int_id: slot}."""
+        outside `keep` (the running requests' adapters); {lora_int_id: slot}. A follower only looks
+        up the slots rank 0's plan gave them."""
+        if self.follower:
+            return self._followed(lora_ids)
         self._clock += 1
         out = {}
         for lid in sorted(lora_ids):
@@ -175,10 +196,16 @@ class LoRAManager:
             if lora is None:
                 raise RuntimeError(f"LoRA: adapter {lid} scheduled but unknown")
             weights = self._read(lora)
+        self._put(slot, lid, weights)
+        return slot
+
+    def _put(self, slot: int, lid: int, weights: AdapterWeights) -> None:
+        """Adapter `lid`'s weights into `slot` of every bank (the banks it leaves out: zeros)."""
         with self._lock:
             self._host[lid] = weights
             self._host.move_to_end(lid)
             self._slots[slot] = lid
+            self._slot_gen[slot] += 1
             self._trim_host_locked()
         touched = set()
         for module, segments in weights.modules.values():
@@ -187,4 +214,50 @@ class LoRAManager:
         for bank in self.banks:
             if id(bank) not in touched:
                 bank.clear_slot(slot)
-        return slot
+
+    # --- tensor parallelism: rank 0 decides, the other ranks follow ------------------------------
+    def step_plan(self, lora_ids: set[int]) -> list | None:
+        """Rank 0: slots for this step's adapters, then what the other ranks must change before
+        it (msgpack-able): [[slot, lora_int_id (0: emptied), name, path], ...] and the adapters
+        retired since the last plan; None when nothing changed."""
+        self._planning = True
+        if lora_ids:
+            self.slots_for(lora_ids, set())
+        changes = []
+        with self._lock:
+            for slot, now in enumerate(zip(self._slots, self._slot_gen)):
+                if now == self._sent[slot]:
+                    continue
+                self._sent[slot] = now
+                lid = now[0]
+                lora = None if lid is None else self._known.get(lid) or self._retired.get(lid)
+                changes.append([slot, 0, "", ""] if lora is None else
+                               [slot, lid, lora.lora_name, str(lora.path)])
+            dropped, self._dropped = self._dropped, []
+        return [changes, dropped] if changes or dropped else None
+
+    def follow(self, plan: list) -> None:
+        """A follower: apply rank 0's `step_plan` (reading the adapters it has not read yet)."""
+        changes, dropped = plan
+        with self._lock:
+            for lid in dropped:
+                self._host.pop(lid, None)
+                self._known.pop(lid, None)
+        for slot, lid, name, path in changes:
+            if not lid:
+                self._slots[slot] = None
+                continue
+            lora = LoRARequest(name, lid, path)
+            with self._lock:
+                weights = self._host.get(lid) if self._known.get(lid) == lora else None
+                self._known[lid] = lora
+            if weights is None:  # rank 0 read it already: the same files give the same checks
+                weights = read_adapter(name, path, self.model, self.sites, self.max_rank, self.base_name)
+            self._put(slot, lid, weights)
+
+    def _followed(self, lora_ids: set[int]) -> dict[int, int]:
+        missing = sorted(lid for lid in lora_ids if lid not in self._slots)
+        if missing:
+            raise StrataError(f"LoRA: rank 0's step plan put no slot for adapter(s) {missing}; the ranks are "
+                              "out of step")
+        return {lid: self._slots.index(lid) for lid in lora_ids}

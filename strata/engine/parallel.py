@@ -2,8 +2,9 @@
 
 Rank 0 owns the scheduler and the sampler. Each step, after scheduling, it broadcasts the step's
 plan (per sequence: the tokens to compute, their start position, the block table, whether it
-samples; plus block copies and swap pairs) as msgpack bytes (Communicator.broadcast_bytes; never
-pickle), and every rank runs the same ModelRunner on its shard of the model: the all-reduces
+samples, its LoRA adapter id; plus block copies and swap pairs; with LoRA, the adapter slots that
+changed since the last plan, engine/lora_manager.py step_plan) as msgpack bytes
+(Communicator.broadcast_bytes; never pickle), and every rank runs the same ModelRunner on its shard of the model: the all-reduces
 inside the model and the all-gather of the logits keep them in step. The other ranks only execute.
 
 Ranks come from torchrun's environment when it is set (many hosts: every host runs the same
@@ -58,10 +59,16 @@ class _Window:
 
 
 @dataclass
+class _PlanRequest:
+    lora_id: int  # 0: the base model
+
+
+@dataclass
 class _PlanSeq:
     token_ids: _Window
     num_computed_tokens: int
     block_table: list[int]
+    request: _PlanRequest
 
 
 @dataclass
@@ -81,25 +88,34 @@ class PlanOutput:
     block_copies: list[tuple[int, int]]
     swap_out: list[tuple[int, int]]
     swap_in: list[tuple[int, int]]
+    lora: list | None = None  # LoRAManager.step_plan: slots to set before the step (None: none changed)
 
 
-def encode_step(out) -> bytes:
+def _lora_id(s) -> int:
+    return getattr(getattr(s.seq, "request", None), "lora_id", 0) or 0
+
+
+def encode_step(out, lora=None) -> bytes:
+    """The step's plan; `lora` (rank 0's LoRAManager) puts the step's adapters in slots first and
+    adds the slots the other ranks must change."""
     items = []
     for s in out.scheduled:
         start = s.seq.num_computed_tokens
         items.append([start, s.seq.token_ids[start : start + s.num_tokens - len(s.draft)] + s.draft,
-                      list(s.seq.block_table), bool(s.samples), len(s.forks), s.draft])
-    return msgspec.msgpack.encode([items, out.block_copies, out.swap_out, out.swap_in])
+                      list(s.seq.block_table), bool(s.samples), len(s.forks), s.draft, _lora_id(s)])
+    slots = None if lora is None else lora.step_plan({_lora_id(s) for s in out.scheduled} - {0})
+    return msgspec.msgpack.encode([items, out.block_copies, out.swap_out, out.swap_in, slots])
 
 
 def decode_step(data: bytes) -> PlanOutput:
-    items, copies, swap_out, swap_in = msgspec.msgpack.decode(data)
+    items, copies, swap_out, swap_in, slots = msgspec.msgpack.decode(data)
     scheduled = [
-        _PlanItem(_PlanSeq(_Window(start, toks), start, table), len(toks), samples, [None] * forks, draft)
-        for start, toks, table, samples, forks, draft in items
+        _PlanItem(_PlanSeq(_Window(start, toks), start, table, _PlanRequest(lora_id)), len(toks), samples,
+                  [None] * forks, draft)
+        for start, toks, table, samples, forks, draft, lora_id in items
     ]
     pairs = [[tuple(p) for p in x] for x in (copies, swap_out, swap_in)]
-    return PlanOutput(scheduled, *pairs)
+    return PlanOutput(scheduled, *pairs, slots)
 
 
 # --- the ranks -----------------------------------------------------------------------------------

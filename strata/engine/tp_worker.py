@@ -35,7 +35,10 @@ def run_worker(config: EngineConfig) -> int:
             data = control.broadcast_bytes(None, src=0)
             if data == STOP:
                 return 0
-            runner.execute(decode_step(data))
+            plan = decode_step(data)
+            if plan.lora is not None:  # rank 0 changed adapter slots: the same ones here, first
+                runner.lora.follow(plan.lora)
+            runner.execute(plan)
     except RuntimeError as e:  # a collective failed: rank 0 (or a peer) is gone or hung
         logger.error("tensor-parallel rank %d: lost the other ranks (%s); exiting", rank, str(e).splitlines()[0])
         return 1

@@ -29,8 +29,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.profiler import record_function
 
 from strata.kernels import cpu_lora
+from strata.kernels.dispatch import KERNEL_MODE
+
+LORA_RANGE = "strata::lora"  # the profiler range of one bank's deltas (strata analyze attributes it)
 
 
 @dataclass(frozen=True)
@@ -138,7 +142,14 @@ class LoRABank(nn.Module):
 
     def add(self, x: torch.Tensor, y: torch.Tensor, batch: LoRABatch) -> torch.Tensor:
         """y + each row's adapter delta: a few rows in one kernel call over the bank
-        (kernels/cpu_lora.py, where it runs), else rows grouped by slot, one shrink and one expand a slot."""
+        (kernels/cpu_lora.py, where it runs), else rows grouped by slot, one shrink and one expand a slot.
+        Under the analyzer's named kernels, one `strata::lora` profiler range (its ops inside)."""
+        if KERNEL_MODE.get().named:
+            with record_function(LORA_RANGE):
+                return self._add(x, y, batch)
+        return self._add(x, y, batch)
+
+    def _add(self, x: torch.Tensor, y: torch.Tensor, batch: LoRABatch) -> torch.Tensor:
         lead = y.shape[:-1]
         x2, y2 = x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1])
         slots = batch.row_slots(len(x2))

@@ -6,13 +6,18 @@ A PEFT tensor `base_model.model.model.layers.3.self_attn.k_proj.lora_A.weight` n
 that module is rows [q, q + kv) of this model's fused qkv_proj, so k_proj is that bank's segment 1.
 Adapters may target the attention projections and a dense MLP's (not MoE experts, not embeddings or
 the LM head: refused by name).
+
+On a tensor-parallel shard (graph/tensor_parallel.py) a Site still names the FULL module's shape
+(what the adapter must match, so the errors are the same on every rank) plus what this rank keeps
+of it: a column-parallel segment's output rows (B's rows), a row-parallel projection's input columns
+(A's columns). The row-parallel bank sits on the projection's `inner`, before the all-reduce.
 """
 
 from __future__ import annotations
 
 import logging
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -22,6 +27,8 @@ from strata.graph.layers import GatedMLP
 from strata.graph.loader import checkpoint_targets
 from strata.graph.lora import LoRABank
 from strata.graph.safetensors_file import SafetensorsFile
+from strata.graph.tensor_parallel import projection_cuts
+from strata.graph.tensor_parallel_layers import RowParallelLinear
 from strata.protocol.lora import WEIGHTS_FILE, AdapterConfig, LoRAError, read_adapter_config
 
 logger = logging.getLogger(__name__)
@@ -32,12 +39,35 @@ _TENSOR = re.compile(r"^(?:base_model\.model\.)?(.+)\.(lora_A|lora_B)(?:\.[A-Za-
 
 @dataclass(frozen=True)
 class Site:
-    """Where an HF module's LoRA goes: the fused module, its segment, the segment's (in, out)."""
+    """Where an HF module's LoRA goes: the fused module (the one holding the weight: a row-parallel
+    projection's inner), its segment, the HF module's full (in, out); on a tensor-parallel shard
+    the output rows (`rows`) or input columns (`cols`) of it this rank keeps."""
 
     module: nn.Module
     segment: int
     in_features: int
     out_features: int
+    rows: slice | None = field(default=None, hash=False)  # (slices: unhashable before Python 3.12)
+    cols: slice | None = field(default=None, hash=False)
+
+    @property
+    def shard_out(self) -> int:
+        """The segment's output rows in this rank's bank."""
+        return self.out_features if self.rows is None else self.rows.stop - self.rows.start
+
+    def shard(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's part of a full (A [r, in], B [out, r])."""
+        if self.cols is not None:
+            a = a[:, self.cols].contiguous()
+        if self.rows is not None:
+            b = b[self.rows].contiguous()
+        return a, b
+
+
+def _holder(m: nn.Module) -> nn.Module:
+    """The module whose weight a projection computes with (a bank's home): a row-parallel one's
+    inner, so that its delta joins the partial sums before the all-reduce."""
+    return m.inner if isinstance(m, RowParallelLinear) else m
 
 
 def lora_sites(model: nn.Module) -> dict[str, Site]:
@@ -54,7 +84,7 @@ def lora_sites(model: nn.Module) -> dict[str, Site]:
         if t.attr != "weight" or id(t.module) not in allowed:
             continue
         by_module.setdefault(id(t.module), []).append((name.removesuffix(".weight"), t.rows))
-        modules[id(t.module)] = t.module
+        modules[id(t.module)] = _holder(t.module)
     sites = {}
     for key, entries in by_module.items():
         m = modules[key]
@@ -62,12 +92,27 @@ def lora_sites(model: nn.Module) -> dict[str, Site]:
         for seg, (hf, rows) in enumerate(entries):
             out = m.out_features if rows is None else rows.stop - rows.start
             sites[hf] = Site(m, seg, m.in_features, out)
+    if getattr(model, "tensor_parallel", None) is not None:
+        sites = _full_sites(model, sites)
     return sites
 
 
+def _full_sites(model: nn.Module, sites: dict[str, Site]) -> dict[str, Site]:
+    """A shard's sites (this rank's sizes) as the full model's, with the rows or columns kept."""
+    cuts = projection_cuts(model)
+    out = {}
+    for hf, s in sites.items():
+        cut = cuts[id(s.module)]
+        if cut.rows is not None:  # column-parallel: this rank's rows of each segment
+            out[hf] = Site(s.module, s.segment, s.in_features, cut.full_out[s.segment], rows=cut.rows[s.segment])
+        else:  # row-parallel: this rank's input columns
+            out[hf] = Site(s.module, s.segment, cut.full_in, s.out_features, cols=cut.cols)
+    return out
+
+
 def segments_of(module: nn.Module, sites: dict[str, Site]) -> list[tuple[int, int]]:
-    """The output row ranges of `module`'s segments, in segment order."""
-    segs = sorted((s.segment, s.out_features) for s in sites.values() if s.module is module)
+    """The output row ranges of `module`'s segments (in its bank: this rank's), in segment order."""
+    segs = sorted((s.segment, s.shard_out) for s in sites.values() if s.module is module)
     bounds, lo = [], 0
     for _, n in segs:
         bounds.append((lo, lo + n))
@@ -167,8 +212,9 @@ def read_adapter(name: str, path: str | Path, model: nn.Module, sites: dict[str,
                     raise LoRAError(f"LoRA adapter {name}: {t} is {f.dtype(t)}, not a float tensor")
             a = f.read_rows(ab["lora_A"], 0, r).to(torch.float32)
             b = f.read_rows(ab["lora_B"], 0, site.out_features).to(torch.float32)
-            if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+            if not (torch.isfinite(a).all() and torch.isfinite(b).all()):  # the whole, on every rank
                 raise LoRAError(f"LoRA adapter {name}: {hf} holds NaN or infinite values")
+            a, b = site.shard(a, b)
             nbytes += (a.numel() + b.numel()) * 4
             modules.setdefault(id(site.module), (site.module, {}))[1][site.segment] = (a, b, cfg.scale(r))
     finally:

@@ -69,8 +69,8 @@ from strata.memory.quant import QuantEmbedding
 from strata.model_config import ModelConfig
 
 __all__ = [
-    "Comm", "RowParallelLinear", "ShardSpec", "VocabParallelEmbedding", "VocabParallelHead",
-    "check_shardable", "per_rank_config", "shard_kv_heads", "shard_model", "shard_spec",
+    "Comm", "RowParallelLinear", "ShardCut", "ShardSpec", "VocabParallelEmbedding", "VocabParallelHead",
+    "check_shardable", "per_rank_config", "projection_cuts", "shard_kv_heads", "shard_model", "shard_spec",
 ]
 
 
@@ -276,3 +276,45 @@ def shard_model(model: CausalLM, rank: int, world_size: int, comm: Comm, expert_
     model.tensor_parallel = spec
     model.full_config = cfg
     return model
+
+
+# --- what a shard keeps of each projection (for tensors laid out like the weights: LoRA's A/B) -----
+
+
+@dataclass(frozen=True)
+class ShardCut:
+    """What a sharded projection keeps of the full one. Column-parallel: `rows`, per segment (q, k,
+    v / gate, up), the rows of the full segment this rank holds, with the full segments' sizes
+    `full_out`. Row-parallel: `cols`, the full input columns it holds, of `full_in`."""
+
+    full_in: int
+    full_out: tuple[int, ...]
+    rows: tuple[slice, ...] | None = None
+    cols: slice | None = None
+
+
+def _span(heads: range, d: int) -> slice:
+    return slice(heads.start * d, heads.stop * d)
+
+
+def projection_cuts(model: CausalLM) -> dict[int, ShardCut]:
+    """id(module holding the weight: a column-parallel Linear, a row-parallel projection's inner)
+    -> its ShardCut, for every attention and dense-MLP projection of a sharded model."""
+    spec, cfg = model.tensor_parallel, model.full_config
+    d, tp = spec.head_dim, spec.world_size
+    q, kv = _span(spec.q_heads, d), _span(spec.kv_heads, d)
+    cuts: dict[int, ShardCut] = {}
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv = attn.qkv_proj
+        cuts[id(qkv)] = ShardCut(qkv.in_features, (cfg.num_heads * d, cfg.num_kv_heads * d, cfg.num_kv_heads * d),
+                                 rows=(q, kv, kv))
+        o = attn.o_proj.inner
+        cuts[id(o)] = ShardCut(cfg.num_heads * d, (o.out_features,), cols=q)
+        if isinstance(mlp, GatedMLP):
+            inter = mlp.intermediate  # the shard's
+            cols = slice(spec.intermediate.start, spec.intermediate.stop)
+            gate_up, down = mlp.gate_up_proj, mlp.down_proj.inner
+            cuts[id(gate_up)] = ShardCut(gate_up.in_features, (inter * tp, inter * tp), rows=(cols, cols))
+            cuts[id(down)] = ShardCut(inter * tp, (down.out_features,), cols=cols)
+    return cuts

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from strata.errors import ConfigError
+from strata.graph.lora import project
 from strata.memory.quant import QuantLinear
 
 
@@ -28,7 +29,9 @@ class Comm(Protocol):
 
 
 class RowParallelLinear(nn.Module):
-    """A projection over this rank's input columns; partial sums all-reduced, then the bias."""
+    """A projection over this rank's input columns; partial sums all-reduced, then the bias. A LoRA
+    bank (graph/lora.py) sits on `inner`, over the same input columns: its partial delta joins the
+    partial sums before the one all-reduce (the delta is linear), and the bias is still added once."""
 
     def __init__(self, inner: nn.Module, bias: torch.Tensor | None, comm: Comm) -> None:
         super().__init__()
@@ -37,7 +40,7 @@ class RowParallelLinear(nn.Module):
         self.comm = comm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.comm.all_reduce(self.inner(x).contiguous())
+        out = self.comm.all_reduce(project(self.inner, x).contiguous())
         return out if self.bias is None else out + self.bias
 
 

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 
 # Tableau 10 and two more: the time split has 11 categories, and no two may share a colour
 PALETTE = ("#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#9c755f",
-           "#ff9da7", "#bab0ac", "#17becf", "#bcbd22")
+           "#ff9da7", "#bab0ac", "#17becf", "#bcbd22", "#3b2a8c")
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 STYLE = {"svg.fonttype": "none", "svg.hashsalt": "strata", "font.family": ["DejaVu Sans", "sans-serif"],
          "font.size": 9, "axes.titlesize": 10, "axes.titleweight": "bold"}

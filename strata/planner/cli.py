@@ -25,6 +25,7 @@ EPILOG = """examples:
   strata plan --model ./qwen/config.json --hardware L4 --quantization int4 --html plan.html
   strata plan --model llama-3.2-3b --hardware this --quantization bf16 --kv-cache-dtype bfloat16
   strata plan --model qwen-0.5b --hardware this --dtype float32 --input-len 512 --context 192 --batch 16
+  strata plan --model smol-135m --hardware this --dtype float32 --batch 32 --max-loras 16 --max-lora-rank 16
   strata plan --train --model smol-135m --seq-len 1024 --micro-batch-size 8 --activation-checkpointing full
   strata plan --train --model demo --seq-len 128 --micro-batch-size 4 --measure   # predicted vs a real run
   strata plan --train --model ./Llama-3-8B --hardware H100x8 --distributed fsdp --precision bfloat16
@@ -67,7 +68,8 @@ def run(args: argparse.Namespace) -> int:
         kv_cache_memory=parse_bytes(args.kv_cache_memory, "--kv-cache-memory") if args.kv_cache_memory else None,
         memory_fraction=args.memory_fraction, max_num_seqs=args.max_num_seqs, block_size=args.block_size,
         max_num_batched_tokens=args.max_num_batched_tokens, price_per_hour=args.price_per_hour,
-        alpha_us=args.alpha_us, refresh=args.refresh,
+        alpha_us=args.alpha_us, refresh=args.refresh, lora_adapters=args.lora_adapters,
+        lora_rank=args.max_lora_rank, lora_dtype=args.lora_dtype,
     )
     plan = build_plan(req)
     if args.html:
@@ -110,6 +112,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="all-reduce per-message latency (default 5 us NVLink/IF, 10 us PCIe: an assumption)")
     p.add_argument("--refresh", action="store_true", help="this: re-measure the hardware and step overhead")
     p.add_argument("--html", default=None, metavar="FILE", help="also write a self-contained HTML page")
+    g = p.add_argument_group("serving LoRA adapters (the engine's --enable-lora; planner/lora_cost.py)")
+    g.add_argument("--max-loras", dest="lora_adapters", type=int, default=0, metavar="N",
+                   help="adapter slots resident (as the engine flag): their memory, bytes and FLOPs, and on "
+                   "'this' a decode step of --batch rows over N adapters timed with and without (default 0: none)")
+    g.add_argument("--max-lora-rank", type=int, default=engine_default("max_lora_rank"),
+                   help="as the engine flag: every slot is padded to it")
+    g.add_argument("--lora-dtype", default=engine_default("lora_dtype"), choices=("auto", "float32", "bfloat16"),
+                   help="as the engine flag")
     p.add_argument("--json", action="store_true", help="print JSON instead of the text report")
     _add_train_flags(p)
 

@@ -101,12 +101,14 @@ from strata.planner.cost_model import (
     this_device,
     tp_allreduce_seconds,
 )
-from strata.planner.decode_probe import plan_probe, whole_prompt_layer
+from strata.planner.decode_probe import PROBE_BATCHES, decode_probe, plan_probe, whole_prompt_layer
 from strata.planner.layer_probe import (
     PROBE_MAX_TOKENS,
     measure_prefill_layer,
     probe_seconds,
 )
+from strata.planner.lora_cost import lora_cost, plan_lora_dtype
+from strata.planner.lora_cost import measure as measure_lora
 from strata.planner.moe_probe import measure_routing
 from strata.platform.cpu import resolve_weight_storage
 from strata.text_table import fmt_bytes
@@ -141,6 +143,9 @@ class PlanRequest:
     price_per_hour: float | None = None
     alpha_us: float | None = None
     refresh: bool = False
+    lora_adapters: int = 0  # LoRA slots resident (the engine's max_loras with enable_lora); 0: none
+    lora_rank: int = 16  # max_lora_rank: every slot padded to it
+    lora_dtype: str = "auto"  # as the engine flag
 
 
 def resolve_model(spec: str) -> tuple[ModelConfig, str]:
@@ -265,6 +270,7 @@ class Plan:
     active_params: int = 0  # params one token reads (MoE: < params; dense: = params)
     moe: dict[str, Any] | None = None  # experts, top_k, MoE layers, expert bytes, the routing and its source
     routing: Any = None  # cost_model.Routing the MoE decode was priced with (None: dense)
+    lora: Any = None  # lora_cost.LoRACost of the adapters served (None: no LoRA)
     best: dict[str, Any] | None = None
     price_per_hour: float | None = None
     notes: list[str] = field(default_factory=list)
@@ -439,6 +445,10 @@ def build_plan(req: PlanRequest, profile=None, overhead=None) -> Plan:
                                                                    dev.torch_device or "cpu"))
     if layouts:
         notes.append(f"weights counted in the file's own layouts ({len(layouts)} projections)")
+    lora = None
+    if req.lora_adapters:  # the banks count in the weights held, as the engine counts them
+        lora = lora_cost(cfg, req.lora_adapters, req.lora_rank, plan_lora_dtype(req.lora_dtype, dtype, quantization))
+        shape = dataclasses.replace(shape, weight_bytes=shape.weight_bytes + lora.resident_bytes)
     max_len = cfg.max_model_len(req.max_model_len)
     input_len = req.input_len or max_len
     context = req.context or max_len
@@ -477,6 +487,11 @@ def build_plan(req: PlanRequest, profile=None, overhead=None) -> Plan:
             notes.append(f"prefill from the measured rates: timing one layer at {tokens} tokens would take "
                          f"~{cost:.0f} s (layer probe budget {LAYER_PROBE_BUDGET_S:.0f} s)")
     pre = prefill(shape, dev, input_len, req.max_num_batched_tokens, 1, overhead, layer)
+    if lora is not None and probe is not None:  # the adapters' time on the probe's own model
+        lora = measure_lora(decode_probe(cfg, dtype, req.quantization, req.group_size, dev.torch_device or "cpu"),
+                            lora, min(req.batch, max(PROBE_BATCHES)))
+    elif lora is not None:
+        notes.append("LoRA time not measured (no decode probe here): its memory, bytes and FLOPs are shown")
     plan = Plan(
         model=model_name, architecture=cfg.architecture, params=shape.params,
         dtype=str(dtype).replace("torch.", ""), quantization=req.quantization, hardware=req.hardware,
@@ -486,7 +501,7 @@ def build_plan(req: PlanRequest, profile=None, overhead=None) -> Plan:
         kv_cache_dtype=str(formats.kv_dtype).removeprefix("torch."), decode_probe=probe, prefill_layer=layer,
         tp_options=options, price_per_hour=req.price_per_hour, notes=notes + list(dev.notes),
         active_params=shape.active_params, moe=_moe_summary(shape, dev, probe),
-        routing=shape.routing_for(dev) if shape.num_experts else None,
+        routing=shape.routing_for(dev) if shape.num_experts else None, lora=lora,
     )
     plan.best = _best(plan)
     return plan

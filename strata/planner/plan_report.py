@@ -6,6 +6,7 @@ from html import escape
 
 from strata.graph.loader import STAGING_BYTES
 from strata.planner import charts
+from strata.planner.lora_cost import format_lines as lora_format_lines
 from strata.planner.plan import Plan
 from strata.text_table import fmt_bytes
 
@@ -204,9 +205,13 @@ def cost_lines(p: Plan) -> list[str]:
     return [line]
 
 
+def lora_lines(p: Plan) -> list[str]:
+    return [] if p.lora is None else lora_format_lines(p.lora)
+
+
 def format_text(p: Plan) -> str:
     parts = [header(p), memory_lines(p), prefill_lines(p), decode_lines(p), depth_lines(p), moe_lines(p),
-             tp_lines(p), cost_lines(p)]
+             lora_lines(p), tp_lines(p), cost_lines(p)]
     if p.overhead is not None and getattr(p.overhead, "measured", None):
         o = p.overhead
         parts.append([
