@@ -40,6 +40,7 @@ from strata.bench.common import (
     write_json,
 )
 from strata.bench.hf_peer import hf_throughput, load_hf_model
+from strata.bench.lora import write_adapters
 from strata.engine.llm import LLM
 from strata.errors import ConfigError
 from strata.protocol.sampling_params import SamplingParams
@@ -57,6 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--input-len", default="32:512", help="prompt tokens, N or LO:HI uniform (default 32:512)")
     g.add_argument("--output-len", default="32:256", help="output tokens, N or LO:HI uniform (default 32:256)")
     g.add_argument("--seed", type=int, default=0, help="seed for lengths and token ids")
+    g.add_argument("--lora-adapters", type=int, default=0, metavar="N",
+                   help="requests take N random LoRA adapters round robin (rank --max-lora-rank on every linear; "
+                   "implies --enable-lora and --max-loras >= N). `strata bench lora` compares 0/1/4/16 in one run")
     add_sampling_args(g)
     g.add_argument("--hf-batch-size", type=int, default=16, help="static batch size for --compare hf")
 
@@ -86,9 +90,19 @@ def run(args: argparse.Namespace) -> int:
     in_lens = rng.integers(in_lo, in_hi + 1, size=args.num_prompts).tolist()
     out_lens = rng.integers(out_lo, out_hi + 1, size=args.num_prompts).tolist()
     need = max(i + o for i, o in zip(in_lens, out_lens))
+    kw = bench_engine_kwargs(args, need, args.num_prompts)
+    if args.lora_adapters < 0:
+        raise ConfigError(f"--lora-adapters: must be >= 0, got {args.lora_adapters}")
+    if args.lora_adapters and args.compare:
+        raise ConfigError("--lora-adapters with --compare hf: the peer runs the base model only; drop one")
+    if args.lora_adapters:
+        kw.update(enable_lora=True, max_loras=max(kw.get("max_loras") or 1, args.lora_adapters))
 
-    llm = LLM(resolve_model(args), **bench_engine_kwargs(args, need, args.num_prompts))
+    llm = LLM(resolve_model(args), **kw)
     eng = llm.engine
+    loras = write_adapters(eng, args.lora_adapters, eng.config.max_lora_rank, "all", args.seed) if args.lora_adapters \
+        else []
+    lora_requests = [loras[i % len(loras)] for i in range(args.num_prompts)] if loras else None
     avoid = special_ids(eng)
     prompts = random_prompts(rng, eng.model_config.vocab_size, in_lens, avoid)
     params = [sampling_params(args, o) for o in out_lens]
@@ -101,6 +115,7 @@ def run(args: argparse.Namespace) -> int:
         "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
         "prompt_tokens": prompt_tokens, "output_tokens": sum(out_lens),
         "fuse": eng.config.fuse, "compile": eng.config.compile, "cuda_graphs": eng.config.cuda_graphs,
+        "lora_adapters": args.lora_adapters,
     }
     print(
         f"model {info['model']} ({info['architecture']}, {info['params'] / 1e6:.0f}M params), "
@@ -108,6 +123,7 @@ def run(args: argparse.Namespace) -> int:
         f"{args.num_prompts} requests: input {in_lo}:{in_hi} (mean {prompt_tokens / args.num_prompts:.0f}), "
         f"output {out_lo}:{out_hi} (mean {sum(out_lens) / args.num_prompts:.0f}), seed {args.seed}, "
         f"{sampling_note(args)}"
+        + (f"; {args.lora_adapters} LoRA adapters rank {eng.config.max_lora_rank} round robin" if loras else "")
     )
 
     warm_capture(eng)
@@ -122,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
 
     llm.engine.step_observers.append(sample_kv)
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=True)
+    outs = llm.generate(prompts, params, use_tqdm=True, lora_request=lora_requests)
     elapsed = time.perf_counter() - t0
     llm.engine.step_observers.remove(sample_kv)
     produced = sum(len(o.outputs[0].token_ids) for o in outs)

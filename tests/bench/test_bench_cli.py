@@ -142,3 +142,26 @@ def test_latency_with_chunked_prefill_counts_only_steps_that_decode_the_whole_ba
     assert 1 <= data["decode_steps"] < 7  # two prompts a step: the first two finish a step or more early
     assert data["decode_tokens_per_s"] == pytest.approx(4 * data["decode_steps"] / data["decode_s"])
     assert main([*args, "--output-len", "2"]) == 2  # no step decodes all four: a clear error, not a figure
+
+
+def test_throughput_and_lora_benches_with_adapters(tmp_path, capsys):
+    """`bench throughput --lora-adapters N` serves the workload over N random adapters; `bench lora`
+    runs every adapter count and both batch-1 cases each round (figures not asserted: speed)."""
+    common = ["--random-model", "tiny", "--dtype", "float32", "--threads", "1", "--num-prompts", "3",
+              "--input-len", "8", "--output-len", "4"]
+    out = tmp_path / "tp.json"
+    assert main(["bench", "throughput", *common, "--lora-adapters", "2", "--max-lora-rank", "8",
+                 "--json", str(out)]) == 0
+    assert "2 LoRA adapters rank 8 round robin" in capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert data["lora_adapters"] == 2 and data["strata"]["requests"] == 3
+    assert main(["bench", "throughput", *common, "--lora-adapters", "1", "--compare", "hf"]) == 2
+    assert "base model only" in capsys.readouterr().err
+    lora = tmp_path / "lora.json"
+    assert main(["bench", "lora", *common, "--adapters", "0,2", "--rank", "8", "--rounds", "1",
+                 "--lora-dtype", "bfloat16", "--json", str(lora)]) == 0
+    data = json.loads(lora.read_text())
+    assert data["lora_dtype"] == "bfloat16" and data["cpu"]
+    assert {k: len(v) for k, v in data["rounds"].items()} == {
+        "throughput 0": 1, "throughput 2": 1, "decode base": 1, "decode 1 adapter": 1}
+    assert all(v[0] > 0 for v in data["rounds"].values())
