@@ -27,7 +27,9 @@ a no-op and accepted): `best_of` (null or = n), `logit_bias` (null, {}), `suffix
 `add_generation_prompt` (null, true), `continue_final_message` (null, false) (all others: null);
 in a message, `function_call`, `audio`, `refusal` (null) and
 `annotations` (null, []). Chat roles: system, user, assistant, tool, and developer (rendered as
-system). Completions: `echo` with `logprobs` returns the prompt tokens' logprobs too (the first is null).
+system). Completions: `echo` with `logprobs` returns the prompt tokens' logprobs too (the first is null);
+legacy `logprobs.tokens` join to the returned text and `text_offset` indexes into it (a skipped special
+token, e.g. an added BOS, is an empty token; server/responses.py).
 Tool calling: `tools`, `tool_choice`, `parallel_tool_calls`, and in messages `tool_calls` and
 `tool_call_id` (server/tool_calls.py). Structured output: `response_format`, `structured_outputs` and vLLM's `guided_json`,
 `guided_regex`, `guided_choice`, `guided_grammar` (server/structured_api.py; at most one).

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from strata.protocol.tokenizer import IncrementalDetokenizer
 from strata.server.generation import ChoiceDelta
 
 
@@ -17,17 +18,48 @@ def _token_text(tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id], skip_special_tokens=False)
 
 
+def token_pieces(ids: list[int], detok: IncrementalDetokenizer, final: bool) -> list[str]:
+    """What each id adds to the text `detok` makes (the returned text is made the same way), so the
+    pieces join to exactly that text: a skipped special token (an added BOS, an EOS) adds "", a
+    character split over tokens lands on the token that completes it; `final` releases the rest
+    (an unfinished character) onto the last piece."""
+    pieces = [detok.add(t) for t in ids]
+    if final and pieces:
+        pieces[-1] += detok.flush()
+    return pieces
+
+
+def prompt_text(tokenizer, ids: list[int], skip_special_tokens: bool) -> str:
+    """The echoed prompt: its ids' text as the completion's text is made (an added BOS shows only
+    with skip_special_tokens false), so the prompt's logprob tokens join to it."""
+    return "".join(token_pieces(ids, IncrementalDetokenizer(tokenizer, [], skip_special_tokens), final=True))
+
+
 class CompletionLogprobs:
-    """The legacy completions format: tokens, token_logprobs, top_logprobs, text_offset."""
+    """The legacy completions format: tokens, token_logprobs, top_logprobs, text_offset, for one
+    choice. `tokens` are the pieces of the returned text (token_pieces: one entry per token, ""
+    for a skipped special token, as vLLM), so "".join(tokens) is the text and text_offset[i] indexes
+    into it; top_logprobs keys stay each alternative's own token text."""
 
-    def __init__(self, tokenizer, start_offset: int = 0) -> None:
+    def __init__(self, tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True) -> None:
         self.tok = tokenizer
-        self.offset = start_offset
+        self.skip = skip_special_tokens
+        self.offset = 0
+        self._out = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)
 
-    def add(self, token_ids: list[int], logprobs: list[dict[int, float]], num_top: int) -> dict[str, list]:
+    def prompt(self, ids: list[int], logprobs: list[dict[int, float] | None], num_top: int) -> dict[str, list]:
+        """The echoed prompt's entries (they come first); they join to prompt_text(ids)."""
+        pieces = token_pieces(ids, IncrementalDetokenizer(self.tok, [], self.skip), final=True)
+        return self._entries(ids, pieces, logprobs, num_top)
+
+    def add(self, token_ids: list[int], logprobs: list[dict[int, float]], num_top: int,
+            final: bool = False) -> dict[str, list]:
+        """The completion's next entries; `final`: the choice ends with them."""
+        return self._entries(token_ids, token_pieces(token_ids, self._out, final), logprobs, num_top)
+
+    def _entries(self, ids, pieces, logprobs, num_top) -> dict[str, list]:
         out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for tok, d in zip(token_ids, logprobs):  # d None: the prompt's first token (nothing before it)
-            text = _token_text(self.tok, tok)
+        for tok, text, d in zip(ids, pieces, logprobs):  # d None: the prompt's first token (nothing before it)
             out["tokens"].append(text)
             out["token_logprobs"].append(None if d is None else d.get(tok))
             top = sorted(d.items(), key=lambda kv: -kv[1])[:num_top] if num_top and d is not None else []
@@ -74,4 +106,5 @@ def now() -> int:
     return int(time.time())
 
 
-__all__ = ["ChoiceDelta", "CompletionLogprobs", "chat_logprobs", "completion_chunk", "chat_chunk", "usage", "now"]
+__all__ = ["ChoiceDelta", "CompletionLogprobs", "prompt_text", "token_pieces", "chat_logprobs", "completion_chunk",
+           "chat_chunk", "usage", "now"]

@@ -32,13 +32,14 @@ from strata.server.openai_api import (
     sampling_params,
     validation_message,
 )
-from strata.server.responses import CompletionLogprobs, chat_chunk, completion_chunk
+from strata.server.responses import CompletionLogprobs, chat_chunk, completion_chunk, prompt_text
 from strata.server.responses import chat_logprobs as format_chat_logprobs
 from strata.server.state import ServerState, server_state
 from strata.server.tool_calls import (
     ToolCallStream,
     check_tools,
     forced_call_grammar,
+    forced_call_limit,
     parse_tool_calls,
 )
 
@@ -124,7 +125,7 @@ async def prepare_completion(state: ServerState, req: CompletionRequest) -> Subm
         if t is not None and faults.should_raise(t):
             raise _planted_fault()
     validate_request(params, limits, prompts, api=True, ids_from_client=[t is None for t in texts])
-    return Submission(prompts, params, secs, CompletionShape(req, state.tokenizer, prompts, texts))
+    return Submission(prompts, params, secs, CompletionShape(req, state.tokenizer, prompts, params.skip_special_tokens))
 
 
 async def completion_prompts(state: ServerState, req: CompletionRequest):
@@ -189,7 +190,8 @@ def _tools(state: ServerState, req: ChatRequest, params, job: dict) -> str | Non
         if params.structured is not None:
             raise RequestError("tool_choice forces a tool call and response_format (or a guided field) constrains the "
                                "output too; give one", param="tool_choice")
-        params.structured = forced_call_grammar(fmt, forced, req.parallel_tool_calls is not False)
+        limit = forced_call_limit(choice, req.parallel_tool_calls is not False)
+        params.structured = forced_call_grammar(fmt, forced, limit)
         structured.check(params.structured, "tool_choice")
     return None if choice == "none" else fmt
 
@@ -201,25 +203,34 @@ class CompletionShape:
     id_prefix = "cmpl-"
     object_name = "text_completion"
 
-    def __init__(self, req: CompletionRequest, tokenizer, prompts: list[list[int]], texts: list[str | None]) -> None:
-        self.req, self.tok, self.prompts, self.texts = req, tokenizer, prompts, texts
+    def __init__(self, req: CompletionRequest, tokenizer, prompts: list[list[int]], skip_special_tokens: bool) -> None:
+        self.req, self.tok, self.prompts, self.skip = req, tokenizer, prompts, skip_special_tokens
         self.num_top = req.logprobs or 0
-        self.writers: dict[int, CompletionLogprobs] = {}  # per choice: its running text offset
+        self.writers: dict[int, CompletionLogprobs] = {}  # per choice: its detokeniser and text offset
         self.parts: dict[int, list[dict]] = {}
         self.started: set[int] = set()
+        self._echoed: dict[int, str] = {}
 
     def chunk(self, rid, model, created, choices, usage_=None):
         return completion_chunk(rid, model, created, choices, usage_)
 
     def _prompt_text(self, p: int) -> str:
-        return self.texts[p] if self.texts[p] is not None else self.tok.decode(self.prompts[p])
+        """The prompt's ids detokenised as the completion is (not the string sent, which lacks an
+        added BOS), so with logprobs "".join(tokens) is the returned text."""
+        if p not in self._echoed:
+            self._echoed[p] = prompt_text(self.tok, self.prompts[p], self.skip)
+        return self._echoed[p]
 
     def _logprobs(self, d: ChoiceDelta) -> dict:
-        w = self.writers.setdefault(d.index, CompletionLogprobs(self.tok))
+        prompt = self.prompts[d.index // self.req.n]
+        w = self.writers.get(d.index)
+        if w is None:  # one per choice: its detokeniser follows the choice's tokens across deltas
+            w = self.writers[d.index] = CompletionLogprobs(self.tok, prompt, self.skip)
+        parts = []
         if d.prompt_logprobs is not None and self.req.echo:  # echo: the prompt's entries come first
-            prompt = w.add(self.prompts[d.index // self.req.n], d.prompt_logprobs, self.num_top)
-            return CompletionLogprobs.merge([prompt, w.add(d.token_ids, d.logprobs, self.num_top)])
-        return w.add(d.token_ids, d.logprobs, self.num_top)
+            parts.append(w.prompt(prompt, d.prompt_logprobs, self.num_top))
+        parts.append(w.add(d.token_ids, d.logprobs, self.num_top, final=d.finish_reason is not None))
+        return CompletionLogprobs.merge(parts)
 
     def stream_choice(self, d: ChoiceDelta) -> dict:
         text = d.text

@@ -8,7 +8,9 @@ Formats (picked from the chat template, as vLLM's --tool-call-parser names them)
   after `<|python_tag|>`; several calls separated by `;`.
 `tool_choice` "required" or a named function is enforced with the structured-output grammar
 (protocol/structured.py, engine/grammar.py): the model can only write a well-formed call whose arguments match the
-function's JSON schema. "auto" lets the model choose and parses what it wrote; "none" parses nothing.
+function's JSON schema, and at most the calls forced_call_limit allows (one for a named function), so once the
+last is complete the grammar ends the completion itself (finish_reason "tool_calls"). "auto" lets the model
+choose and parses what it wrote; "none" parses nothing.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ HERMES, LLAMA3_JSON = "hermes", "llama3_json"
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 _PYTHON_TAG = "<|python_tag|>"
 _EMPTY_PARAMS = {"type": "object", "properties": {}}
+# Parallel calls a "required" grammar allows in one message (a model may end the list sooner)
+MAX_PARALLEL_CALLS = 8
 
 
 def template_format(template: str | None) -> str | None:
@@ -52,13 +56,25 @@ def _call_schema(fmt: str, tools: list[dict]) -> dict:
     return {**schema, "x-guidance": JSON_OPTIONS}
 
 
-def forced_call_grammar(fmt: str, tools: list[dict], parallel: bool) -> StructuredOutput:
-    """The grammar for tool_choice required (`tools` = all) or named (`tools` = that one)."""
+def forced_call_limit(choice, parallel: bool) -> int:
+    """How many calls a forced grammar allows. A named function: one call (as vLLM, whose grammar is
+    that function's arguments). "required": one, or with parallel calls up to MAX_PARALLEL_CALLS, so
+    the grammar itself ends the completion after the last call it allows: a model that never picks
+    the end token after a call (a small or untrained one) would otherwise write calls until
+    max_tokens cut one in half, and the message would come back as text with finish_reason "length"."""
+    return MAX_PARALLEL_CALLS if choice == "required" and parallel else 1
+
+
+def forced_call_grammar(fmt: str, tools: list[dict], max_calls: int = 1) -> StructuredOutput:
+    """The grammar for tool_choice required (`tools` = all) or named (`tools` = that one): one to
+    `max_calls` calls; once the last allowed call is complete only the end remains, and the engine
+    stops the sequence there (engine/lifecycle.py, the matcher is_stopped)."""
     body = json.dumps(_call_schema(fmt, tools))
+    more = f"{{0,{max_calls - 1}}}" if max_calls > 1 else None
     if fmt == HERMES:
-        start = 'start: call ("\\n" call)*' if parallel else "start: call"
+        start = f'start: call ("\\n" call){more}' if more else "start: call"
         return StructuredOutput(grammar=f'{start}\ncall: "{_OPEN}\\n" body "\\n{_CLOSE}"\nbody: %json {body}')
-    start = 'start: body (";" body)*' if parallel else "start: body"
+    start = f'start: body (";" body){more}' if more else "start: body"
     return StructuredOutput(grammar=f"{start}\nbody: %json {body}")
 
 

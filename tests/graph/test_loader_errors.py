@@ -8,6 +8,7 @@ import json
 import pathlib
 import pickle
 import shutil
+import struct
 
 import psutil
 import pytest
@@ -18,6 +19,7 @@ from strata import LLM
 from strata.errors import ModelLoadError
 from strata.graph import loader
 from strata.graph.loader import load_model
+from strata.graph.safetensors_file import SafetensorsFile
 from strata.memory.planner import weight_bytes
 from strata.model_config import ModelConfig
 from strata.text_table import fmt_bytes
@@ -111,6 +113,82 @@ def _rewrite(path, edit):
     sd = load_file(str(f))
     edit(sd)
     save_file(sd, str(f), metadata={"format": "pt"})
+
+
+def _edit_header(path, edit):
+    """Rewrite model.safetensors' JSON header with `edit(header)` applied, the data bytes untouched."""
+    f = path / "model.safetensors"
+    raw = f.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    edit(header)
+    text = json.dumps(header).encode()
+    f.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n :])
+
+
+def _by_offset(header):
+    return sorted((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][0])
+
+
+# Each edit breaks one tensor's entry and returns its name (the data bytes stay as they were).
+def _as_f16(h):  # the issue's case: F16 claimed over F32-sized bytes
+    h[TENSOR]["dtype"] = "F16"
+    return TENSOR
+
+
+def _past_end(h):  # the last tensor moved 16 bytes on, its length kept
+    last = _by_offset(h)[-1]
+    h[last]["data_offsets"] = [o + 16 for o in h[last]["data_offsets"]]
+    return last
+
+
+def _overlapping(h):  # a tensor moved 4 bytes back over its neighbour, its length kept
+    h[TENSOR]["data_offsets"] = [o - 4 for o in h[TENSOR]["data_offsets"]]
+    return TENSOR
+
+
+def _begin_after_end(h):
+    h[TENSOR]["data_offsets"] = h[TENSOR]["data_offsets"][::-1]
+    return TENSOR
+
+
+def _negative_begin(h):
+    h[TENSOR]["data_offsets"] = [o - (1 << 40) for o in h[TENSOR]["data_offsets"]]
+    return TENSOR
+
+
+@pytest.mark.parametrize("edit, says", [
+    (_as_f16, r"F16 .* take \d+ bytes"), (_past_end, r"data section holds bytes \[0, \d+\)"),
+    (_overlapping, "overlap"), (_begin_after_end, "is after end"), (_negative_begin, "data section holds"),
+], ids=lambda v: v.__name__.strip("_") if callable(v) else "")
+def test_header_offsets_checked_before_reading(model_copy, edit, says, monkeypatch):
+    broken = []
+    _edit_header(model_copy, lambda h: broken.append(edit(h)))
+    reads = []
+    monkeypatch.setattr(SafetensorsFile, "_read_into", lambda *a: reads.append(a))
+    with pytest.raises(ModelLoadError, match=says) as err:
+        _load(model_copy)
+    msg = str(err.value)
+    assert "model.safetensors" in msg and repr(broken[0]) in msg, msg
+    assert "corrupt or was edited; re-download or re-convert it" in msg, msg
+    assert not reads  # refused from the header alone, before any tensor byte is read
+
+
+def test_edited_dtype_refused_before_generating(model_copy, llm_factory):
+    _edit_header(model_copy, _as_f16)
+    with pytest.raises(ModelLoadError, match=TENSOR.replace(".", r"\.")):
+        llm_factory(model_copy)
+
+
+def test_valid_header_with_an_empty_tensor_loads(model_copy):
+    """Zero-byte tensors (shape with a 0) share an offset with their neighbour without overlapping."""
+    def add_empty(h):
+        at = h[TENSOR]["data_offsets"][0]
+        h["extra.empty"] = {"dtype": "F32", "shape": [0, 4], "data_offsets": [at, at]}
+    _edit_header(model_copy, add_empty)
+    with SafetensorsFile(model_copy / "model.safetensors") as f:
+        assert f.shape("extra.empty") == (0, 4)
+        assert torch.equal(f.read_rows(TENSOR, 0, 2), load_file(str(model_copy / "model.safetensors"))[TENSOR][:2])
 
 
 def test_missing_tensor_named(model_copy, llm_factory):

@@ -37,6 +37,46 @@ def test_chat_json_schema(client, seed):
     jsonschema.validate(json.loads(c.message.content), SCHEMA)
 
 
+NESTED = {"type": "object", "properties": {
+    "cast": {"type": "array", "maxItems": 3, "items": {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 12}, "lines": {"type": "integer"}}, "required": ["name", "lines"]}},
+    "act": {"type": "number"}, "tragic": {"type": "boolean"}}, "required": ["cast", "act", "tragic"]}
+
+
+def _whitespace_runs_outside_strings(text: str) -> list[str]:
+    """Runs of 2+ whitespace characters in `text` that are not inside a JSON string."""
+    runs, run, in_string, escaped = [], "", False, False
+    for ch in text + "\0":  # the sentinel ends a trailing run
+        if not in_string and ch.isspace():
+            run += ch
+            continue
+        if len(run) > 1:
+            runs.append(run)
+        run = ""
+        if in_string:
+            in_string, escaped = escaped or ch != '"', not escaped and ch == "\\"
+        else:
+            in_string = ch == '"'
+    return runs
+
+
+def test_whitespace_helper():
+    assert _whitespace_runs_outside_strings('{"a  \\"  b": [1,  2]}') == ["  "]
+    assert _whitespace_runs_outside_strings('{"a": 1, "b": [2, 3]}\n\n') == ["\n\n"]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_json_schema_output_is_compact(client, seed):
+    """No run of whitespace outside strings: the grammar allows only ", " and ": " separators, so a
+    weak model cannot pad (or loop on newlines) between tokens."""
+    r = client.chat.completions.create(model="demo-v2", messages=CHAT, response_format=_json_schema(NESTED),
+                                       temperature=1.0, seed=seed, max_tokens=200)
+    text = r.choices[0].message.content
+    assert r.choices[0].finish_reason == "stop", text
+    jsonschema.validate(json.loads(text), NESTED)
+    assert not _whitespace_runs_outside_strings(text), text
+
+
 def test_streamed_json_schema_and_json_object(client):
     chunks = client.chat.completions.create(model="demo-v2", messages=CHAT, response_format=_json_schema(),
                                             temperature=0.8, seed=4, max_tokens=120, stream=True)

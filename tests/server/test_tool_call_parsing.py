@@ -6,14 +6,19 @@ import json
 
 import pytest
 
+from strata.demo.model import demo_model_path
+from strata.engine.grammar import GrammarCompiler
 from strata.errors import RequestError
 from strata.protocol import structured
+from strata.protocol.tokenizer import Tokenizer
 from strata.server.tool_calls import (
     HERMES,
     LLAMA3_JSON,
+    MAX_PARALLEL_CALLS,
     ToolCallStream,
     check_tools,
     forced_call_grammar,
+    forced_call_limit,
     parse_tool_calls,
     template_format,
 )
@@ -88,5 +93,29 @@ def test_check_tools_errors():
 def test_forced_call_grammars_compile(fmt):
     tools = [{"name": "weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}},
              {"name": "time"}]
-    for parallel in (True, False):
-        structured.check(forced_call_grammar(fmt, tools, parallel), "tool_choice")
+    for max_calls in (1, MAX_PARALLEL_CALLS):
+        structured.check(forced_call_grammar(fmt, tools, max_calls), "tool_choice")
+
+
+def test_forced_call_limits():
+    assert forced_call_limit({"type": "function", "function": {"name": "f"}}, True) == 1  # named: one call, as vLLM
+    assert forced_call_limit("required", False) == 1
+    assert forced_call_limit("required", True) == MAX_PARALLEL_CALLS
+
+
+@pytest.mark.parametrize("fmt, call, sep", [
+    (HERMES, '<tool_call>\n{"name": "time", "arguments": {}}\n</tool_call>', "\n"),
+    (LLAMA3_JSON, '{"name": "time", "parameters": {}}', ";"),
+])
+@pytest.mark.parametrize("max_calls", [1, 3])
+def test_forced_grammar_is_stopped_after_its_last_call(fmt, call, sep, max_calls):
+    """Once the last call the grammar allows is complete nothing may follow, so the engine ends
+    the sequence there (finish_reason "tool_calls") instead of running on to max_tokens."""
+    tok = Tokenizer.from_dir(demo_model_path())
+    compiler = GrammarCompiler(tok.to_json(), tok.vocab_size, [tok.eos_token_id])
+    matcher = compiler.matcher(forced_call_grammar(fmt, [{"name": "time"}], max_calls))
+    for k in range(1, max_calls + 1):
+        text = call if k == 1 else sep + call
+        assert matcher.consume_tokens(tok.encode(text, add_special_tokens=False)), matcher.get_error()
+        assert matcher.is_accepting()
+        assert matcher.is_stopped() == (k == max_calls), k

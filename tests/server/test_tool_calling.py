@@ -13,6 +13,7 @@ import pytest
 
 from strata.demo.model import demo_model_path
 from strata.protocol.tokenizer import Tokenizer
+from strata.server.tool_calls import MAX_PARALLEL_CALLS
 from tests.server import tool_templates
 from tests.server.serverproc import start_server
 
@@ -55,7 +56,7 @@ def _check_calls(calls, names):
 @pytest.mark.parametrize("seed", [0, 1])
 def test_required_tool_choice(client, seed):
     # one call: with parallel calls allowed this small model rarely ends the list (it is trained on
-    # plays, not on tools), so the grammar would be sound but the test a matter of max_tokens
+    # plays, not on tools) and writes the grammar's MAX_PARALLEL_CALLS (test_forced_call_ends_the_completion)
     r = client.chat.completions.create(model="demo-tools", messages=ASK, tools=TOOLS, tool_choice="required",
                                        temperature=1.0, seed=seed, max_tokens=200, parallel_tool_calls=False)
     c = r.choices[0]
@@ -75,6 +76,39 @@ def test_named_tool_choice_streamed_and_not(client):
     assert [tc.function.name for tc in streamed] == ["get_weather"] and streamed[0].index == 0
     assert json.loads(streamed[0].function.arguments) == json.loads(r.choices[0].message.tool_calls[0].function.arguments)
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def _rendered(calls, hermes: bool) -> str:
+    """The text the forced grammar makes the model write for `calls` (compact JSON, as parsed back)."""
+    key = "arguments" if hermes else "parameters"
+    bodies = [json.dumps({"name": c.function.name, key: json.loads(c.function.arguments)}, ensure_ascii=False)
+              for c in calls]
+    return "\n".join(f"<tool_call>\n{b}\n</tool_call>" for b in bodies) if hermes else ";".join(bodies)
+
+
+@pytest.mark.parametrize("choice", ["named", "required"])
+def test_forced_call_ends_the_completion(client, tool_model, choice):
+    """Parallel calls allowed (the default): the completion ends with the last call the grammar
+    allows (one for a named function, at most MAX_PARALLEL_CALLS for "required"), never at
+    max_tokens with a call cut in half; no token follows the calls but the end token."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    r = client.chat.completions.create(model="demo-tools", messages=ASK, tools=TOOLS, max_tokens=1200, seed=2,
+                                       tool_choice=named if choice == "named" else "required", temperature=1.0,
+                                       logprobs=True)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls", c
+    calls = c.message.tool_calls
+    _check_calls(calls, {"get_weather"} if choice == "named" else {"get_weather", "get_time"})
+    assert 1 <= len(calls) <= (1 if choice == "named" else MAX_PARALLEL_CALLS)
+    tok = Tokenizer.from_dir(tool_model[0])
+    tokens = [t.token for t in c.logprobs.content]
+    eos = json.loads((tool_model[0] / "generation_config.json").read_text())["eos_token_id"]
+    if tokens[-1] in {tok.decode([i], skip_special_tokens=False) for i in eos}:
+        tokens.pop()  # the model may end the list of calls itself, before the grammar's limit
+    written = "".join(tokens)
+    assert written == _rendered(calls, "<tool_call>" in written)  # nothing after the last call
+    assert r.usage.completion_tokens == len(c.logprobs.content)
+    assert r.usage.completion_tokens <= len(tok.encode(written, add_special_tokens=False)) + 1
 
 
 def test_tool_results_round_trip(client, tool_model):
