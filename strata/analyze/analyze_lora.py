@@ -29,14 +29,15 @@ def lora_summary(engine, m, cats: dict[str, float], adapters: int) -> dict[str, 
     decodes = [s for s in m.steps if s.kind == "decode" and s.decode_seqs]
     fused_s = cats.get("decoder_layer", 0.0)
     estimated = None
-    if decodes and fused_s > 0 and engine.config.device == "cpu":
+    if decodes and engine.config.device == "cpu":  # the step's cost with adapters, measured on the probe
         batch = max(1, min(max(PROBE_BATCHES), round(statistics.fmean(s.decode_seqs for s in decodes))))
         active = min(adapters, engine.config.max_loras)
         probe = decode_probe(engine.model_config, engine.dtype, engine.config.quantization,
                              engine.config.quantization_group_size, "cpu")
         cost = measure(probe, cost, batch, spread=active)
-        over = cost.step_overhead or 0.0
-        estimated = fused_s * max(over, 0.0) / (1 + max(over, 0.0))
+        over = max(cost.step_overhead or 0.0, 0.0)
+        if fused_s > 0:  # some decode steps ran the fused layers: their adapters' share, estimated
+            estimated = fused_s * over / (1 + over)
     return {"cost": cost, "measured_s": cats.get("lora", 0.0), "fused_estimated_s": estimated,
             "resident_slots": engine.config.max_loras}
 
