@@ -152,8 +152,10 @@ class LoRABank(nn.Module):
     def _add(self, x: torch.Tensor, y: torch.Tensor, batch: LoRABatch) -> torch.Tensor:
         lead = y.shape[:-1]
         x2, y2 = x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1])
-        slots = batch.row_slots(len(x2))
-        if not (self.dropout and self.training) and slots is not None and cpu_lora.usable(x2, y2, self.lora_a):
+        # the kernel's predicate first: training (grad on) never builds the row slots it would not use
+        usable = not (self.dropout and self.training) and cpu_lora.usable(x2, y2, self.lora_a)
+        slots = batch.row_slots(len(x2)) if usable else None
+        if slots is not None:
             if self._bounds is None:
                 self._bounds = cpu_lora.bounds_of(self.segments)
             cpu_lora.add_rows(x2, y2, self.lora_a, self.lora_b, self.scale, self._bounds, slots)
