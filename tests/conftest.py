@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
@@ -352,21 +350,3 @@ def byte_fallback_model(tmp_path_factory) -> TinyModel:
         json.dumps({"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"})
     )
     return model
-
-
-@pytest.fixture
-def no_leftovers():
-    """No process this test started outlives it (ones an earlier test left are not this test's)."""
-    before = {p.pid for p in psutil.Process().children(recursive=True)}
-
-    def started_here():
-        return [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
-
-    yield
-    deadline = time.monotonic() + 15
-    while started_here() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    left = started_here()
-    for p in left:
-        p.kill()
-    assert not left, f"processes left behind: {left}"

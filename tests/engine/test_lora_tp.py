@@ -6,8 +6,10 @@ attention adapters; no process is left."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from conftest import _COMMON, EOS_ID, TinyModel, _randomise, make_llm, random_prompt
@@ -18,6 +20,24 @@ from strata.protocol.lora import WEIGHTS_FILE, LoRAError
 from tests.lora_adapters import make_adapter
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
+
+
+@pytest.fixture
+def no_leftovers():
+    """No process this test started outlives it (ones an earlier test left are not this test's)."""
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+
+    def started_here():
+        return [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+
+    yield
+    deadline = time.monotonic() + 15
+    while started_here() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = started_here()
+    for p in left:
+        p.kill()
+    assert not left, f"processes left behind: {left}"
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 from conftest import make_llm
 
@@ -20,6 +21,24 @@ from strata.comm.world import free_port
 from strata.engine.parallel import RankDied
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+
+
+@pytest.fixture
+def no_leftovers():
+    """No process this test started outlives it (ones an earlier test left are not this test's)."""
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+
+    def started_here():
+        return [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+
+    yield
+    deadline = time.monotonic() + 15
+    while started_here() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = started_here()
+    for p in left:
+        p.kill()
+    assert not left, f"processes left behind: {left}"
 
 
 def _run(model, prompts, params=GREEDY, **kw):
